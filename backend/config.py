@@ -1,0 +1,49 @@
+"""Engine settings. Environment variables override the defaults (`from_env`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_path: str
+    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
+    device: str | None = None  # None: cuda when present, else cpu
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 1 << 30  # memory for the KV block pool
+    max_num_seqs: int = 64  # sequences in one step at most
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+    @classmethod
+    def from_env(cls, model_path: str | None = None) -> EngineConfig:
+        env = os.environ
+
+        def opt_int(name):
+            return int(env[name]) if env.get(name) else None
+
+        cfg = cls(model_path=model_path or env["LLM_MODEL_PATH"])
+        cfg.dtype = env.get("DTYPE") or None
+        cfg.device = env.get("DEVICE") or None
+        for name, attr in (
+            ("KV_CACHE_MB", None),
+            ("BLOCK_SIZE", "block_size"),
+            ("MAX_NUM_SEQS", "max_num_seqs"),
+            ("MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens"),
+            ("MAX_MODEL_LEN", "max_model_len"),
+            ("NUM_THREADS", "num_threads"),
+        ):
+            value = opt_int(name)
+            if value is None:
+                continue
+            if attr is None:
+                cfg.kv_cache_bytes = value << 20
+            else:
+                setattr(cfg, attr, value)
+        if env.get("ENABLE_PREFIX_CACHING"):
+            cfg.enable_prefix_caching = env["ENABLE_PREFIX_CACHING"] not in ("0", "false", "no")
+        return cfg

@@ -1,0 +1,176 @@
+"""The engine: requests in, a step at a time, outputs out. Not thread-safe by design:
+one thread (backend.engine_thread) owns it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.contract import ContractError
+from backend.model_runner import ModelRunner
+from backend.request import (
+    EngineRequest,
+    FinalStats,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StopGuard,
+)
+from backend.sampler import SamplingRow
+from backend.scheduler import Scheduler
+from backend.sequence import Sequence
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        mc = self.runner.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings,
+            mc.max_position_embeddings,
+            self.runner.num_blocks * config.block_size,
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raise ContractError naming the field if it cannot be served."""
+        self._validate(request)
+        seq = Sequence.from_request(request)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, request: EngineRequest) -> None:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ContractError("prompt_tokens", "must hold at least one token")
+        if request.request_id in self._seqs:
+            raise ContractError("request_id", f"{request.request_id!r} is already in flight")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ContractError("prompt_tokens", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ContractError(
+                "prompt_tokens",
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
+                "tokens, which must hold the prompt and at least one generated token",
+            )
+        request.sampling.validate()
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its final output (ABORT) comes out of the next step()."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        seq.finish(FinishReason.ABORT, StopGuard.CANCELLED)
+        self.scheduler.finish(seq)
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks()
+
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._final_output(seq, []) for seq in self._aborted]
+        self._aborted.clear()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        completing = [item for item in plan.scheduled if item.completes]
+        rows = [self._sampling_row(item.seq) for item in completing]
+        tokens = self.runner.execute(plan.scheduled, rows)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        now = time.monotonic()
+        for item, token in zip(completing, tokens, strict=False):
+            out = self._append_token(item.seq, token, now)
+            if out is not None:
+                outputs.append(out)
+        for item in plan.scheduled:
+            if not item.seq.is_finished:
+                self.block_manager.cache_full_blocks(item.seq)
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.sampling
+        banned = () if params.min_tokens == 0 else self._stop_ids(params)
+        return SamplingRow(params, seq.num_output_tokens, banned)
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return eos + params.stop_token_ids
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        guard = self._check_stop(seq, token)
+        if guard is None:
+            return RequestOutput(seq.request_id, [token])
+        reason = FinishReason.LENGTH if guard in (StopGuard.MAX_TOKENS, StopGuard.CONTEXT_LENGTH) else FinishReason.STOP
+        # A stopping token (EOS or a stop token) is counted but not emitted.
+        emitted = [] if reason is FinishReason.STOP else [token]
+        seq.finish(reason, guard)
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.finish(seq)
+        return self._final_output(seq, emitted)
+
+    def _check_stop(self, seq: Sequence, token: int) -> StopGuard | None:
+        params = seq.sampling
+        if seq.num_output_tokens > params.min_tokens:  # the sampler masks them before that
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return StopGuard.EOS
+            if token in params.stop_token_ids:
+                return StopGuard.STOP_TOKEN
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return StopGuard.MAX_TOKENS
+        if seq.num_tokens >= self.max_model_len:
+            return StopGuard.CONTEXT_LENGTH
+        return None
+
+    def _final_output(self, seq: Sequence, emitted: list[int]) -> RequestOutput:
+        self._seqs.pop(seq.request_id, None)
+        now = time.monotonic()
+        arrival = seq.request.arrival_time
+        first = seq.first_token_time
+        stats = FinalStats(
+            finish_reason=seq.finish_reason,
+            stop_guard=seq.stop_guard,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens or 0,
+            time_to_first_token_s=(first - arrival) if first is not None else 0.0,
+            decode_time_s=(now - first) if first is not None else 0.0,
+        )
+        return RequestOutput(seq.request_id, emitted, stats)
+
+    # -- convenience for tests and benchmarks ------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; return each one's emitted tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=False):
+            self.add_request(EngineRequest(rid, list(prompt), p))
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._seqs for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,116 @@
+"""What crosses the engine's boundary: a request in, outputs back. Plain dataclasses."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend import contract
+
+
+class FinishReason(enum.Enum):
+    STOP = contract.FINISH_STOP  # EOS or a stop token
+    LENGTH = contract.FINISH_LENGTH  # max_tokens or the context length
+    ABORT = contract.FINISH_ABORT  # cancelled by the client
+
+
+class StopGuard(enum.Enum):
+    """Which guard ended a sequence; reported in the final event."""
+
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_LENGTH = "context_length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """The sampling and stopping settings of one request.
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 are off. max_tokens None means
+    up to the context length. A seeded request draws from a generator seeded from
+    (seed, token index), so its tokens do not depend on the rest of the batch.
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise contract.ContractError naming the first bad field."""
+        checks = (
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be at least 0"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must not exceed max_tokens",
+            ),
+            ("temperature", self.temperature >= 0.0, "must be at least 0"),
+            ("top_k", self.top_k >= 0, "must be at least 0 (0 turns it off)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise contract.ContractError(name, why)
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = ""  # scopes the prefix cache
+    adapter: int = 0  # scopes the prefix cache (0: the base model)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class FinalStats:
+    finish_reason: FinishReason
+    stop_guard: StopGuard
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    time_to_first_token_s: float
+    decode_time_s: float
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    final: FinalStats | None = None  # set on the last output of the request
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
+
+
+def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
+    """Contract field values (contract.decode_request) -> validated SamplingParams."""
+    params = SamplingParams(
+        max_tokens=values["max_tokens"],
+        min_tokens=values["min_tokens"],
+        temperature=values["temperature"],
+        top_k=values["top_k"],
+        top_p=values["top_p"],
+        seed=values["seed"],
+        stop_token_ids=tuple(values["stop_tokens"]),
+    )
+    params.validate()
+    return params
