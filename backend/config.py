@@ -13,6 +13,7 @@ class EngineConfig:
     device: str | None = None  # None: cuda when present, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 1 << 30  # memory for the KV block pool
+    num_blocks: int | None = None  # overrides kv_cache_bytes: the pool's size in blocks
     max_num_seqs: int = 64  # sequences in one step at most
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

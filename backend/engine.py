@@ -39,6 +39,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self.num_preemptions = 0
 
     # -- requests -----------------------------------------------------------
 
@@ -90,6 +91,7 @@ class LLMEngine:
         outputs = [self._final_output(seq, []) for seq in self._aborted]
         self._aborted.clear()
         plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
             return outputs
         completing = [item for item in plan.scheduled if item.completes]

@@ -41,7 +41,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model_path, self.dtype, self.device)
         self.model_config = self.model.config
-        self.num_blocks = self._num_blocks_for(config.kv_cache_bytes)
+        self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         self.kv_caches = self._allocate_kv_caches()
 
     def _block_bytes(self) -> int:
