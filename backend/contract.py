@@ -116,6 +116,7 @@ INPUTS: tuple[TensorSpec, ...] = (
     _scalar("seed", "int64"),  # absent: unseeded
     # stopping and guards
     _list("stop_tokens", "int32"),
+    _scalar("ignore_eos", "bool", False),  # vLLM's extension: generate past EOS (benchmarks)
     _scalar("enable_thinking", "bool", False, False, _GUARDS),
     _scalar("thinking_budget", "int32", None, False, _GUARDS),
     _scalar("loop_min_pattern_size", "int32", None, False, _GUARDS),

@@ -111,6 +111,7 @@ def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
         top_p=values["top_p"],
         seed=values["seed"],
         stop_token_ids=tuple(values["stop_tokens"]),
+        ignore_eos=values["ignore_eos"],
     )
     params.validate()
     return params
