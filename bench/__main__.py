@@ -1,0 +1,3 @@
+from bench.throughput import main
+
+main()
