@@ -1,0 +1,33 @@
+"""`python -m openai_frontend --model-path DIR --served-model-name NAME ...`"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from openai_frontend.app import Settings, create_app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument("--model-path", required=True, help="the served Hugging Face model folder")
+    parser.add_argument("--served-model-name", default=None, help="default: the folder's name")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.served_model_name or args.model_path.rstrip("/").rsplit("/", 1)[-1]
+    app = create_app(Settings(args.model_path, name, args.triton_url))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+
+
+class OpenAIError(Exception):
+    """An error returned to the client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = INVALID_REQUEST,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str | None, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    message = f"The model `{model}` does not exist."
+    return OpenAIError(404, message, "model", NOT_FOUND, "model_not_found")
+
+
+def server_error(message: str) -> OpenAIError:
+    return OpenAIError(500, message, None, SERVER_ERROR)
+
+
+def from_validation(exc: RequestValidationError) -> OpenAIError:
+    """The first pydantic error, naming the field (`messages.0.content`)."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return bad_request(None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return bad_request(param, message)
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def install_handlers(app: FastAPI, on_error=None) -> None:
+    """Map every failure to OpenAI's shape; `on_error(status)` counts it."""
+
+    def respond(error: OpenAIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(error.status)
+        return error_response(error)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError):
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return respond(from_validation(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return respond(OpenAIError(exc.status_code, str(exc.detail), None, kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return respond(server_error(f"{type(exc).__name__}: {exc}"))

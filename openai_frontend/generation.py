@@ -1,0 +1,97 @@
+"""One generation: token packs from the model -> text deltas, cut at stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from backend import contract
+from openai_frontend.detokenizer import IncrementalDetokenizer
+from openai_frontend.protocol import PromptTokensDetails, Usage
+from openai_frontend.stop import StopMatcher
+from openai_frontend.triton_client import EngineError, Finish, TritonLLM
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a generation ended, in the client's terms."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text; the last delta of a generation carries its outcome."""
+
+    text: str
+    outcome: Outcome | None = None
+
+
+async def generate_text(
+    engine: TritonLLM,
+    fields: dict[str, Any],
+    detokenizer: IncrementalDetokenizer,
+    stops: list[str],
+) -> AsyncIterator[Delta]:
+    """Deltas of one request's text; a stop string ends it and cancels the request.
+
+    The model sends tokens in packs (one response may carry many); each pack is
+    detokenized at once. Deltas may be empty (text held back); the last one is not
+    skipped, since it carries the outcome.
+    """
+    matcher = StopMatcher(stops)
+    prompt_len = len(fields["prompt_tokens"])
+    received = 0
+    async with aclosing(engine.generate(fields)) as packs:
+        async for pack in packs:
+            received += len(pack.token_ids)
+            text = matcher.feed(detokenizer.feed(pack.token_ids))
+            if pack.finish is not None:
+                text += matcher.feed(detokenizer.flush())
+                if not matcher.stopped:
+                    text += matcher.flush()
+            if matcher.stopped:
+                # leaving the `async with` cancels the model's request
+                yield Delta(text, Outcome(contract.FINISH_STOP, prompt_len, received))
+                return
+            if pack.finish is not None:
+                yield Delta(text, _outcome(pack.finish, prompt_len, received))
+                return
+            if text:
+                yield Delta(text)
+
+
+def _outcome(finish: Finish, prompt_len: int, received: int) -> Outcome:
+    if finish.reason not in (contract.FINISH_STOP, contract.FINISH_LENGTH):
+        # "abort" while the client still waits: the model gave up on the request
+        raise EngineError(f"the model ended the request with finish_reason {finish.reason!r}")
+    return Outcome(
+        finish.reason,
+        finish.prompt_tokens or prompt_len,
+        finish.completion_tokens or received,
+        finish.cached_tokens,
+    )
+
+
+async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Outcome]:
+    """The whole text and outcome of a generation (non-streaming requests)."""
+    parts = []
+    async with aclosing(deltas):
+        async for delta in deltas:
+            parts.append(delta.text)
+            if delta.outcome is not None:
+                return "".join(parts), delta.outcome
+    raise EngineError("the generation ended without an outcome")

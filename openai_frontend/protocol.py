@@ -1,0 +1,332 @@
+"""OpenAI request and response shapes, and the mapping of a request to contract fields.
+
+Fields follow the order of the OpenAI API reference; a marked block of extensions
+(vLLM-style, sent by clients as extra body fields) follows. Unknown top-level fields
+are accepted and logged, as vLLM does. A field this server cannot honour is never
+dropped: the frontend rejects it with a 400 naming it, or forwards it to the model,
+whose contract rejects features it has not built (and that error names the field).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from backend import contract
+
+log = logging.getLogger(__name__)
+
+# Contract inputs a client may not set directly: the frontend derives them.
+_PRIVATE_INPUTS = frozenset({"prompt_tokens", "stream", "lookup_tenant"})
+# OpenAI fields that carry no meaning for generation here; ignored without a warning.
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+# contract input -> the request field a client sets it with (for error messages)
+_PARAM_OF_INPUT = {
+    "logit_bias_ids": "logit_bias",
+    "logit_bias_values": "logit_bias",
+    "grammar_kind": "response_format",
+    "grammar_spec": "response_format",
+    "stop_tokens": "stop_token_ids",
+    "tools_present": "tools",
+    "require_tool_call": "tool_choice",
+    "suppress_tool_call": "tool_choice",
+    "enable_thinking": "chat_template_kwargs.enable_thinking",
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class GenerationRequest(BaseModel):
+    """What both endpoints share: the extensions, and the mapping to the contract."""
+
+    model_config = ConfigDict(extra="allow")
+    PROMPT_PARAM: ClassVar[str] = "prompt"
+
+    # --- extensions (vLLM-style extra body fields) ---
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM sends -1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # Any other contract input not derived by the frontend (num_beams, dry_multiplier,
+    # thinking_budget, ...) may be sent by its contract name and is forwarded as is.
+
+    @field_validator("n", check_fields=False)
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("ignore_eos")
+    @classmethod
+    def _eos_always_honoured(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("ignore_eos is not supported by this server")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stop_strings(self) -> list[str]:
+        stop = self.stop
+        return [stop] if isinstance(stop, str) else list(stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
+        """The request as contract input values (None: left out, the model's default)."""
+        fields = self._forwarded_extras()
+        bias = self.logit_bias or {}
+        fields.update(
+            prompt_tokens=prompt_tokens,
+            max_tokens=self.max_new_tokens(),
+            min_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias_ids=[int(k) for k in bias] or None,
+            logit_bias_values=list(bias.values()) or None,
+            seed=self.seed,
+            stop_tokens=self.stop_token_ids or None,
+            stream=stream,
+        )
+        return fields
+
+    def param_of(self, input_name: str) -> str:
+        """The request field behind a contract input, to name it in an error."""
+        if input_name == "prompt_tokens":
+            return self.PROMPT_PARAM
+        return _PARAM_OF_INPUT.get(input_name, input_name)
+
+    def _forwarded_extras(self) -> dict[str, Any]:
+        forwarded = {}
+        for name, value in (self.model_extra or {}).items():
+            if name in contract.INPUTS_BY_NAME and name not in _PRIVATE_INPUTS:
+                forwarded[name] = value
+            elif name not in _HARMLESS:
+                log.warning("ignoring unknown request field %r", name)
+        return forwarded
+
+
+# ---------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content if isinstance(part, dict)} - {"text"}
+            if kinds:
+                raise ValueError(f"only text content parts are supported, not {', '.join(sorted(map(str, kinds)))}")
+        return content
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    PROMPT_PARAM: ClassVar[str] = "messages"
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = 1
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+
+    # --- extensions ---
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value:
+            raise ValueError("logprobs are not supported by this server yet")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def param_of(self, input_name: str) -> str:
+        if input_name == "max_tokens" and self.max_completion_tokens:
+            return "max_completion_tokens"
+        return super().param_of(input_name)
+
+    def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
+        fields = super().contract_fields(prompt_tokens, stream)
+        fields.update(self._grammar_fields(), **self._tool_fields())
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is not None:
+            fields["enable_thinking"] = bool(thinking)
+        return fields
+
+    def _grammar_fields(self) -> dict[str, Any]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return {}
+        spec = json.dumps((fmt.json_schema or {}).get("schema", {})) if fmt.type == "json_schema" else ""
+        return {"grammar_kind": fmt.type, "grammar_spec": spec}
+
+    def _tool_fields(self) -> dict[str, Any]:
+        if not self.tools:
+            return {}
+        return {
+            "tools_present": True,
+            "require_tool_call": True if self.tool_choice == "required" else None,
+            "suppress_tool_call": True if self.tool_choice == "none" else None,
+        }
+
+
+# ---------------------------------------------------------------------------
+# /v1/completions
+
+
+class CompletionRequest(GenerationRequest):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(None, ge=1, le=1)
+    echo: bool = False
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    n: int = 1
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("must not be empty")
+        return prompt
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server yet")
+        return value
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llm-serving"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

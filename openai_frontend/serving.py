@@ -1,0 +1,182 @@
+"""Serving one generation request: contract fields in, an OpenAI response out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import TypeVar
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from openai_frontend.errors import OpenAIError, bad_request, model_not_found, server_error
+from openai_frontend.generation import Delta, Outcome, collect, generate_text
+from openai_frontend.metrics import Metrics
+from openai_frontend.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+)
+from openai_frontend.sse import ChatChunkFormat, ChunkFormat, CompletionChunkFormat, sse_events
+from openai_frontend.tokenization import Tokenization
+from openai_frontend.triton_client import EngineError, TritonLLM
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Serving:
+    """What the handlers share: the tokenizer, the Triton client and the counters."""
+
+    def __init__(self, tokenization: Tokenization, served_model_name: str, engine: TritonLLM | None = None):
+        self.tokenization = tokenization
+        self.model_name = served_model_name
+        self.engine = engine  # set in the app's lifespan
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def models(self) -> ModelList:
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.tokenization.max_model_len)
+        return ModelList(data=[card])
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        messages = [m.template_dict() for m in body.messages]
+        prompt = self.tokenization.encode_chat(messages, body.tools, body.chat_template_kwargs)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        deltas = self._generate(body, prompt, "chat")
+        if body.stream:
+            fmt = ChatChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage())
+            return await self._stream(body, deltas, fmt, request)
+        text, outcome = await self._until_done(body, collect(deltas), request)
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=outcome.finish_reason)
+        response = ChatCompletionResponse(
+            id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
+        )
+        return _json(response)
+
+    async def complete(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompt = self.tokenization.encode_prompt(body.prompt)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        deltas = self._generate(body, prompt, "completions")
+        if body.stream:
+            fmt = CompletionChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage())
+            return await self._stream(body, deltas, fmt, request)
+        text, outcome = await self._until_done(body, collect(deltas), request)
+        choice = CompletionChoice(text=text, finish_reason=outcome.finish_reason)
+        response = CompletionResponse(
+            id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
+        )
+        return _json(response)
+
+    def _generate(self, body: GenerationRequest, prompt: list[int], endpoint: str) -> AsyncIterator[Delta]:
+        self.metrics.requests[endpoint] += 1
+        stops = body.stop_strings()
+        # Stop strings are matched here, so the model streams to let us cancel it early.
+        fields = body.contract_fields(prompt, stream=body.stream or bool(stops))
+        detokenizer = self.tokenization.detokenizer(prompt)
+        return self._observed(generate_text(self.engine, fields, detokenizer, stops))
+
+    async def _stream(
+        self, body: GenerationRequest, deltas: AsyncIterator[Delta], fmt: ChunkFormat, request: Request
+    ) -> Response:
+        # The first delta comes before the response begins: a refused request still
+        # gets its HTTP status.
+        first = await self._until_done(body, anext(deltas), request)
+
+        def to_error(exc: Exception) -> OpenAIError:
+            error = self._error(body, exc)
+            self.metrics.errors[error.status] += 1
+            return error
+
+        events = sse_events(first, deltas, fmt, to_error)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _until_done(self, body: GenerationRequest, work: Awaitable[T], request: Request) -> T:
+        try:
+            return await _unless_disconnected(request, work)
+        except ClientGone:
+            raise OpenAIError(CLIENT_CLOSED_REQUEST, "the client closed the connection") from None
+        except Exception as exc:
+            raise self._error(body, exc) from exc
+
+    def _error(self, body: GenerationRequest, exc: Exception) -> OpenAIError:
+        if isinstance(exc, OpenAIError):
+            return exc
+        if isinstance(exc, EngineError) and exc.field is not None:
+            return bad_request(body.param_of(exc.field), exc.message)
+        if not isinstance(exc, EngineError):
+            log.error("generation failed", exc_info=exc)
+        return server_error(str(exc) or type(exc).__name__)
+
+    async def _observed(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+        """Counts a generation: running, tokens, and how it ended ("abort": client left)."""
+        metrics = self.metrics
+        metrics.running += 1
+        ended = False
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if delta.outcome is not None:
+                        ended = True
+                        self._record(delta.outcome)
+                    yield delta
+        except (GeneratorExit, asyncio.CancelledError):
+            if not ended:
+                metrics.finished["abort"] += 1
+            raise
+        finally:
+            metrics.running -= 1
+
+    def _record(self, outcome: Outcome) -> None:
+        metrics = self.metrics
+        metrics.finished[outcome.finish_reason] += 1
+        metrics.prompt_tokens += outcome.prompt_tokens
+        metrics.completion_tokens += outcome.completion_tokens
+        metrics.cached_prompt_tokens += outcome.cached_tokens
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so its Triton request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json(model) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")

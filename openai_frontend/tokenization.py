@@ -1,0 +1,72 @@
+"""The tokenizer and chat template of the served model folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from openai_frontend.detokenizer import IncrementalDetokenizer, make_decode
+from openai_frontend.errors import bad_request
+
+
+class Tokenization:
+    """Text -> prompt tokens (chat template or plain prompt), tokens -> text."""
+
+    def __init__(self, model_path: str | Path):
+        self.model_path = Path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self._decode = make_decode(self.tokenizer)
+        config = _model_config(self.model_path)
+        self.max_model_len: int | None = config.get("max_position_embeddings")
+        self.vocab_size: int = config.get("vocab_size") or len(self.tokenizer)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The conversation through the model's chat template, ready for the reply."""
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                **(template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja raises for conversations it refuses
+            raise bad_request("messages", f"the chat template failed: {exc}") from exc
+        # transformers 5 returns a BatchEncoding; older versions a plain list
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return list(ids)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A completions prompt: token ids as given, text with the tokenizer's BOS policy."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+        self._check_ids(ids)
+        return ids
+
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._decode, context=prompt_ids)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise bad_request("prompt", "prompt: must not be empty")
+        vocab = self.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise bad_request("prompt", f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _model_config(model_path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,424 @@
+"""Pure logic of the OpenAI frontend: detokenizer, stop strings, protocol, app plumbing.
+
+No servers: the app is driven in-process with a fake engine in place of Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from backend import contract
+from openai_frontend.app import Settings, create_app
+from openai_frontend.detokenizer import IncrementalDetokenizer, make_decode
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.stop import StopMatcher
+from openai_frontend.tokenization import Tokenization
+from openai_frontend.triton_client import EngineError, Finish, TokenPack, engine_error
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    " leading spaces and  double  spaces",
+    "Emoji: 🎉🚀 👩‍👩‍👧 and flags 🇫🇷!",
+    "CJK: 你好，世界。日本語のテキスト。한국어",
+    "Accents: café naïve résumé Ångström Łódź",
+    "mixed 🎉 你好 é\n\nnew lines\tand tabs",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenization() -> Tokenization:
+    from backend.convert import ensure_default_model
+
+    return Tokenization(ensure_default_model())
+
+
+# ---------------------------------------------------------------------------
+# detokenizer
+
+
+def _detokenize(decode, token_ids, pack_size, context=()):
+    detok = IncrementalDetokenizer(decode, context=context)
+    deltas = [detok.feed(token_ids[i : i + pack_size]) for i in range(0, len(token_ids), pack_size)]
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("pack_size", [1, 2, 3, 7])
+def test_detokenizer_matches_full_decode(tokenization, text, pack_size):
+    tok = tokenization.tokenizer
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    deltas = _detokenize(make_decode(tok), ids, pack_size)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in d for d in deltas), "half of a multi-byte character was emitted"
+
+
+def test_detokenizer_splits_multibyte_characters(tokenization):
+    tok = tokenization.tokenizer
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1, "the test needs a character spread over tokens"
+    deltas = _detokenize(make_decode(tok), ids, 1)
+    assert deltas[:-1] == [""] * (len(ids) - 1) + ["🎉"]
+
+
+def test_detokenizer_drops_a_character_cut_by_the_end(tokenization):
+    tok = tokenization.tokenizer
+    ids = tok.encode("ok 🎉", add_special_tokens=False)
+    assert "".join(_detokenize(make_decode(tok), ids[:-1], 1)) == "ok "
+
+
+def test_detokenizer_keeps_the_space_after_the_prompt(tokenization):
+    tok = tokenization.tokenizer
+    prompt = tok.encode("The capital of France is", add_special_tokens=False)
+    answer = tok.encode(" Paris, a city", add_special_tokens=False)
+    assert "".join(_detokenize(make_decode(tok), answer, 1, context=prompt)) == " Paris, a city"
+
+
+def _sentencepiece_like_tokenizer() -> Tokenizer:
+    """A tiny Llama-style tokenizer: '▁' for spaces, byte fallback, leading space stripped."""
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    base.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog. café"] * 10, trainer)
+    with tempfile.TemporaryDirectory() as folder:
+        vocab_file, merges_file = base.model.save(folder)
+        vocab = json.loads(Path(vocab_file).read_text())
+        lines = Path(merges_file).read_text().splitlines()
+    merges = [tuple(line.split()) for line in lines if line and not line.startswith("#")]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = base.pre_tokenizer
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("pack_size", [1, 4])
+def test_detokenizer_on_sentencepiece_style_tokens(text, pack_size):
+    tok = _sentencepiece_like_tokenizer()
+    decode = partial(tok.decode, skip_special_tokens=True)
+    ids = tok.encode(text).ids + [tok.token_to_id("</s>")]
+    deltas = _detokenize(decode, ids, pack_size)
+    assert "".join(deltas) == decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    # after a prompt, the first token's '▁' is a space, as in decoding prompt + answer
+    prompt = tok.encode("the quick brown").ids
+    continued = "".join(_detokenize(decode, ids, pack_size, context=prompt))
+    assert continued == decode(prompt + ids)[len(decode(prompt)) :]
+
+
+def test_detokenizer_cost_does_not_grow_with_length(tokenization):
+    tok = tokenization.tokenizer
+    ids = tok.encode(" ".join(TEXTS) * 40, add_special_tokens=False)
+    decode = make_decode(tok)
+
+    def per_token_us(n):
+        detok = IncrementalDetokenizer(decode)
+        start = time.perf_counter()
+        for token in ids[:n]:
+            detok.feed([token])
+        return (time.perf_counter() - start) / n * 1e6
+
+    short, long = per_token_us(200), per_token_us(len(ids))
+    assert len(ids) > 2000
+    assert long < 3 * short + 20, (short, long)
+
+
+# ---------------------------------------------------------------------------
+# stop strings
+
+
+def _run_stops(stops, chunks):
+    matcher = StopMatcher(stops)
+    out = [matcher.feed(c) for c in chunks]
+    if not matcher.stopped:
+        out.append(matcher.flush())
+    return "".join(out), matcher.stopped, out
+
+
+def test_stop_string_split_across_chunks():
+    text, stopped, out = _run_stops(["STOP"], ["Hello S", "T", "OP and more"])
+    assert (text, stopped) == ("Hello ", True)
+    assert out == ["Hello ", "", ""]  # "S", "ST" held back until decided
+
+
+def test_held_prefix_is_released_when_it_cannot_be_a_stop():
+    text, stopped, out = _run_stops(["STOP"], ["Hello S", "TAR", "s"])
+    assert (text, stopped) == ("Hello STARs", False)
+    assert out[:2] == ["Hello ", "STAR"]
+
+
+def test_earliest_stop_wins_and_is_not_included():
+    text, stopped, _ = _run_stops(["world", "lo"], ["Hello wor", "ld"])
+    assert (text, stopped) == ("Hel", True)
+
+
+def test_stop_inside_one_chunk_and_at_the_start():
+    assert _run_stops(["\n\n"], ["a\n\nb"])[:2] == ("a", True)
+    assert _run_stops(["abc"], ["abc"])[:2] == ("", True)
+
+
+def test_held_tail_released_at_the_end():
+    assert _run_stops(["</end>"], ["text </e"])[:2] == ("text </e", False)
+
+
+def test_no_stops_passes_text_through():
+    assert _run_stops([], ["a", "b"]) == ("ab", False, ["a", "b", ""])
+
+
+# ---------------------------------------------------------------------------
+# protocol: validation and request -> contract fields
+
+
+def test_chat_request_maps_to_contract_fields():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=7,
+        max_tokens=99,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        top_k=5,
+        min_tokens=2,
+        stop_token_ids=[4],
+        presence_penalty=0.5,
+        num_beams=2,  # an unbuilt contract field, forwarded for the model to refuse
+        lookup_tenant="other",  # never settable by a client
+        unknown_field=1,
+    )
+    fields = body.contract_fields([1, 2, 3], stream=True)
+    arrays = contract.encode_request(fields)
+    assert set(arrays) == {
+        "prompt_tokens",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "presence_penalty",
+        "seed",
+        "stop_tokens",
+        "num_beams",
+        "stream",
+    }
+    assert arrays["max_tokens"].tolist() == [7]
+    assert arrays["seed"].dtype.name == "int64"
+    assert body.param_of("max_tokens") == "max_completion_tokens"
+
+
+def test_defaults_send_only_the_prompt_and_stream_flag():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_k=-1)
+    assert set(contract.encode_request(body.contract_fields([1], stream=False))) == {"prompt_tokens", "stream"}
+
+
+def test_chat_features_map_to_their_inputs_and_back():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        response_format={"type": "json_object"},
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        logit_bias={"5": 1.0},
+    )
+    fields = body.contract_fields([1], stream=False)
+    assert fields["grammar_kind"] == "json_object" and fields["tools_present"] is True
+    assert fields["logit_bias_ids"] == [5] and fields["logit_bias_values"] == [1.0]
+    assert body.param_of("grammar_kind") == "response_format"
+    assert body.param_of("tools_present") == "tools"
+    assert body.param_of("prompt_tokens") == "messages"
+    assert body.messages[0].template_dict() == {"role": "user", "content": "a\nb"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"top_p": 0}, "top_p"),
+        ({"messages": []}, "messages"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"ignore_eos": True}, "ignore_eos"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ],
+)
+def test_chat_validation_names_the_field(extra, param):
+    with pytest.raises(ValueError) as info:
+        ChatCompletionRequest(**{"messages": [{"role": "user", "content": "x"}], **extra})
+    assert info.value.errors()[0]["loc"][0] == param
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest(prompt="hi").prompt == "hi"
+    assert CompletionRequest(prompt=["hi"]).prompt == "hi"
+    assert CompletionRequest(prompt=[1, 2]).prompt == [1, 2]
+    assert CompletionRequest(prompt=[[1, 2]]).prompt == [1, 2]
+    for bad in (["a", "b"], "", [], {"echo": True}):
+        kwargs = bad if isinstance(bad, dict) else {}
+        with pytest.raises(ValueError):
+            CompletionRequest(**{"prompt": "x" if kwargs else bad, **kwargs})
+
+
+def test_engine_error_names_a_contract_field():
+    assert engine_error("presence_penalty: not supported").field == "presence_penalty"
+    assert engine_error("CUDA out of memory").field is None
+    assert engine_error("Error: something").field is None
+
+
+# ---------------------------------------------------------------------------
+# the app, with a fake engine in place of Triton
+
+
+class FakeEngine:
+    """Replays a token list in packs; records what it was asked and whether it was cut."""
+
+    def __init__(self, token_ids, pack_size=2, reason="length", error=None):
+        self.token_ids, self.pack_size, self.reason, self.error = token_ids, pack_size, reason, error
+        self.requests: list[dict] = []
+        self.cancelled = 0
+
+    async def is_ready(self):
+        return True
+
+    async def generate(self, fields):
+        self.requests.append(fields)
+        if self.error is not None:
+            raise self.error
+        finished = False
+        try:
+            ids, size = self.token_ids, self.pack_size
+            for i in range(0, len(ids), size):
+                await asyncio.sleep(0)
+                last = i + size >= len(ids)
+                finish = Finish(self.reason, prompt_tokens=len(fields["prompt_tokens"]), completion_tokens=len(ids))
+                finished = last
+                yield TokenPack(ids[i : i + size], finish if last else None)
+        finally:
+            if not finished:
+                self.cancelled += 1
+
+
+@pytest.fixture(scope="module")
+def app(tokenization):
+    return create_app(Settings("unused", "smol"), tokenization=tokenization)
+
+
+def _client(app, engine):
+    app.state.serving.engine = engine
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def _answer_ids(tokenization, text):
+    tok = tokenization.tokenizer
+    return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+
+
+async def _post(app, engine, path, body):
+    async with _client(app, engine) as client:
+        return await client.post(path, json=body)
+
+
+def _sse_payloads(text):
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_non_streaming(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "Paris is 🎉 nice."), reason="stop")
+    body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "Paris is 🎉 nice."}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"]["completion_tokens"] == len(engine.token_ids)
+    assert engine.requests[0]["stream"] is False and engine.requests[0]["temperature"] == 0
+
+
+def test_chat_streaming_with_usage(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "Hello 你好 world"))
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = _sse_payloads(asyncio.run(_post(app, engine, "/v1/chat/completions", body)).text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert text == "Hello 你好 world"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+
+
+def test_stop_string_cuts_and_cancels(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "one two three four five six"), pack_size=1)
+    body = {"prompt": "count", "stop": [" three"], "stream": True}
+    chunks = _sse_payloads(asyncio.run(_post(app, engine, "/v1/completions", body)).text)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "one two"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert engine.cancelled == 1 and engine.requests[0]["stream"] is True
+
+
+def test_model_refusal_becomes_400_naming_the_field(app):
+    engine = FakeEngine([], error=engine_error("presence_penalty: advanced samplers are not supported"))
+    body = {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "stream": True}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "presence_penalty"
+
+
+USER_X = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", {"model": "nope", "messages": USER_X}, 404, "model"),
+        ("/v1/chat/completions", {"messages": USER_X, "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ],
+)
+def test_errors_have_the_openai_shape(app, path, body, status, param):
+    response = asyncio.run(_post(app, FakeEngine([]), path, body))
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and "type" in error and "code" in error
+
+
+def test_malformed_json_is_400(app):
+    async def run():
+        async with _client(app, FakeEngine([])) as client:
+            headers = {"content-type": "application/json"}
+            return await client.post("/v1/completions", content=b"{not json", headers=headers)
+
+    response = asyncio.run(run())
+    assert response.status_code == 400 and response.json()["error"]["param"] is None
+
+
+def test_engine_failure_is_500(app):
+    engine = FakeEngine([], error=EngineError("Triton request failed: connection refused"))
+    response = asyncio.run(_post(app, engine, "/v1/completions", {"prompt": "hi"}))
+    assert response.status_code == 500 and "connection refused" in response.json()["error"]["message"]
+
+
+def test_models_and_metrics(app, tokenization):
+    async def run():
+        async with _client(app, FakeEngine([])) as client:
+            return await client.get("/v1/models"), await client.get("/metrics"), await client.get("/health")
+
+    models_response, metrics_response, health = asyncio.run(run())
+    assert models_response.json()["data"][0]["id"] == "smol"
+    assert "llm_frontend_completion_tokens_total" in metrics_response.text
+    assert health.status_code == 200
