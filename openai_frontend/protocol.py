@@ -69,13 +69,6 @@ class GenerationRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("ignore_eos")
-    @classmethod
-    def _eos_always_honoured(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("ignore_eos is not supported by this server")
-        return value
-
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -105,6 +98,7 @@ class GenerationRequest(BaseModel):
             logit_bias_values=list(bias.values()) or None,
             seed=self.seed,
             stop_tokens=self.stop_token_ids or None,
+            ignore_eos=self.ignore_eos or None,
             stream=stream,
         )
         return fields

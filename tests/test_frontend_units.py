@@ -194,6 +194,7 @@ def test_chat_request_maps_to_contract_fields():
         top_k=5,
         min_tokens=2,
         stop_token_ids=[4],
+        ignore_eos=True,
         presence_penalty=0.5,
         num_beams=2,  # an unbuilt contract field, forwarded for the model to refuse
         lookup_tenant="other",  # never settable by a client
@@ -211,6 +212,7 @@ def test_chat_request_maps_to_contract_fields():
         "presence_penalty",
         "seed",
         "stop_tokens",
+        "ignore_eos",
         "num_beams",
         "stream",
     }
@@ -249,7 +251,6 @@ def test_chat_features_map_to_their_inputs_and_back():
         ({"messages": []}, "messages"),
         ({"logprobs": True}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"ignore_eos": True}, "ignore_eos"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ],
 )
