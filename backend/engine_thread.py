@@ -1,0 +1,188 @@
+"""Runs the engine loop in a background thread.
+
+The engine is not thread-safe: this thread is the only one that touches it. Other
+threads talk to it through an inbox of commands (submit, abort), drained at the top
+of every loop iteration; when there is nothing to do the thread sleeps on a condition.
+
+Failures never kill the thread. A request the engine refuses (`add_request` raises)
+fails alone; an exception in `step()` fails every request in flight with a clear
+message, and the thread keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backend.request import EngineRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+OnOutputs = Callable[[list[RequestOutput]], None]
+OnFailure = Callable[[str, Exception], None]  # (request_id, error)
+
+# How many steps shutdown allows for aborted requests to report their finals.
+_SHUTDOWN_STEPS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine state as of the end of the last loop iteration (readable from any thread)."""
+
+    requests_in_flight: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed during a step; every request in flight was failed with it."""
+
+
+class EngineThread:
+    def __init__(self, engine, on_outputs: OnOutputs, on_failure: OnFailure, name: str = "engine"):
+        self._engine = engine
+        self._on_outputs = on_outputs
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        self._inbox: list[_Submit | _Abort] = []
+        self._stopping = False
+        self._in_flight: set[str] = set()  # owned by the engine thread
+        self._stalled = False  # the last step failed: wait for new commands, don't spin
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.snapshot = EngineSnapshot()
+
+    # -- any thread ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._take_snapshot()
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request; its outputs or its failure come through the callbacks."""
+        with self._cond:
+            if not self._stopping:
+                self._inbox.append(_Submit(request))
+                self._cond.notify()
+                return
+        self._on_failure(request.request_id, RuntimeError("the server is shutting down"))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its final output (finish reason abort) follows."""
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort what is in flight, deliver the finals, and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the engine thread --------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self._engine.has_unfinished_requests() and not self._stalled
+            with self._cond:
+                if not busy and not self._inbox and not self._stopping:
+                    self._cond.wait()
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            if commands:
+                self._stalled = False
+                self._apply(commands)
+            if stopping:
+                self._stop()
+                return
+            if self._engine.has_unfinished_requests() and not self._stalled:
+                self._step()
+            self._take_snapshot()
+
+    def _apply(self, commands: list[_Submit | _Abort]) -> None:
+        for command in commands:
+            if isinstance(command, _Submit):
+                self._add(command.request)
+            elif command.request_id in self._in_flight:
+                self._abort_quietly(command.request_id)
+
+    def _add(self, request: EngineRequest) -> None:
+        try:
+            self._engine.add_request(request)
+        except Exception as exc:  # a bad request fails alone
+            self._on_failure(request.request_id, exc)
+            return
+        self._in_flight.add(request.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_in_flight(EngineStepError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            self._stalled = True
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        outputs = [out for out in outputs if out.request_id in self._in_flight]
+        for out in outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        if not outputs:
+            return
+        try:
+            self._on_outputs(outputs)
+        except Exception:
+            log.exception("output callback failed")
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fail every request in flight and abort it in the engine (best effort)."""
+        failed, self._in_flight = self._in_flight, set()
+        for request_id in failed:
+            self._on_failure(request_id, error)
+            self._abort_quietly(request_id)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            log.exception("aborting %s failed", request_id)
+
+    def _stop(self) -> None:
+        for request_id in list(self._in_flight):
+            self._abort_quietly(request_id)
+        for _ in range(_SHUTDOWN_STEPS):
+            if not self._in_flight or not self._engine.has_unfinished_requests():
+                break
+            self._step()
+        self._fail_in_flight(RuntimeError("the server shut down before the request finished"))
+        self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        self.snapshot = EngineSnapshot(
+            requests_in_flight=len(self._in_flight),
+            kv_blocks_free=self._engine.num_free_blocks(),
+            kv_blocks_total=self._engine.num_total_blocks(),
+        )

@@ -1,0 +1,278 @@
+"""The serving stack as context managers: tritonserver, the OpenAI frontend, both.
+
+    with Stack(model_path) as stack:          # free loopback ports
+        OpenAI(base_url=stack.base_url, ...)
+
+Start-up fails fast (StartupError, with the log's tail) if a process dies. Stopping
+is ordered: the model drains (live requests end with their finals), the frontend
+stops, then tritonserver (SIGTERM, short exit timeout), then any Python backend stub
+that outlived it is killed and its shm file removed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.contract import MODEL_NAME
+from launcher.layout import (
+    BACKEND_DIR,
+    BUILD_DIR,
+    MODEL_REPOSITORY,
+    REPO_ROOT,
+    TritonWheel,
+    check_numpy_abi,
+    default_model_path,
+    prepare_backend_dir,
+    triton_env,
+)
+from launcher.procs import (
+    DRAIN_SIGNAL,
+    ManagedProcess,
+    StartupError,
+    Stub,
+    find_stubs,
+    free_port,
+    reap_stubs,
+    signal_stubs,
+    wait_http_ok,
+)
+
+LOG_DIR = BUILD_DIR / "logs"
+LOOPBACK = "127.0.0.1"
+
+__all__ = ["Frontend", "Stack", "StartupError", "TritonPorts", "TritonServer"]
+
+
+@dataclass(frozen=True, slots=True)
+class TritonPorts:
+    http: int
+    grpc: int
+    metrics: int
+
+    @classmethod
+    def free(cls) -> TritonPorts:
+        return cls(free_port(), free_port(), free_port())
+
+    @classmethod
+    def from_env(cls) -> TritonPorts:
+        """TRITON_{HTTP,GRPC,METRICS}_PORT where set, free ports elsewhere."""
+
+        def pick(name: str) -> int:
+            value = os.environ.get(name)
+            return int(value) if value else free_port()
+
+        return cls(pick("TRITON_HTTP_PORT"), pick("TRITON_GRPC_PORT"), pick("TRITON_METRICS_PORT"))
+
+
+def _log_path(log_dir: Path | None, name: str, port: int) -> Path | None:
+    return None if log_dir is None else log_dir / f"{name}-{os.getpid()}-{port}.log"
+
+
+class TritonServer:
+    """tritonserver serving model `llm` from model_repository/, on loopback."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        ports: TritonPorts | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = LOG_DIR,
+        exit_timeout_s: int = 5,
+        startup_timeout_s: float = 600.0,
+    ):
+        self.model_path = Path(model_path)
+        self.ports = ports or TritonPorts.free()
+        self.extra_env = dict(env or {})
+        self.log_dir = log_dir
+        self.exit_timeout_s = exit_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.process: ManagedProcess | None = None
+        self._stubs: dict[int, Stub] = {}
+
+    http_url = property(lambda self: f"http://{LOOPBACK}:{self.ports.http}")
+    grpc_url = property(lambda self: f"{LOOPBACK}:{self.ports.grpc}")
+    metrics_url = property(lambda self: f"http://{LOOPBACK}:{self.ports.metrics}/metrics")
+
+    def argv(self, wheel: TritonWheel) -> list[str]:
+        p = self.ports
+        return [
+            str(wheel.tritonserver),
+            f"--model-repository={MODEL_REPOSITORY}",
+            f"--backend-directory={BACKEND_DIR}",
+            f"--http-port={p.http}",
+            f"--grpc-port={p.grpc}",
+            f"--metrics-port={p.metrics}",
+            f"--http-address={LOOPBACK}",
+            f"--grpc-address={LOOPBACK}",
+            f"--metrics-address={LOOPBACK}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+        ]
+
+    def start(self) -> TritonServer:
+        check_numpy_abi()
+        wheel = TritonWheel.find()
+        prepare_backend_dir(BACKEND_DIR, wheel)
+        env = triton_env(wheel)
+        env.update(self.extra_env)
+        env["LLM_MODEL_PATH"] = str(self.model_path)
+        env["LLM_SOURCE_ROOT"] = str(REPO_ROOT)
+        log = _log_path(self.log_dir, "tritonserver", self.ports.grpc)
+        self.process = ManagedProcess("tritonserver", self.argv(wheel), env, REPO_ROOT, log)
+        try:
+            ready = f"{self.http_url}/v2/models/{MODEL_NAME}/ready"
+            wait_http_ok(ready, [self.process], self.startup_timeout_s, f"model {MODEL_NAME!r}")
+        except BaseException:
+            self.stop()
+            raise
+        self._track_stubs()
+        return self
+
+    def drain(self) -> None:
+        """Ask the model to abort live requests (they get finals) and refuse new ones."""
+        if self.process is not None and self.process.poll() is None:
+            self._track_stubs()
+            signal_stubs(list(self._stubs.values()), DRAIN_SIGNAL)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.drain()
+        self.process.stop(timeout=self.exit_timeout_s + 3)
+        reap_stubs(list(self._stubs.values()))
+        self.process = None
+
+    def _track_stubs(self) -> None:
+        if self.process is not None:
+            self._stubs.update((s.pid, s) for s in find_stubs(self.process.pid))
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Frontend:
+    """The OpenAI-compatible HTTP frontend (`python -m openai_frontend`)."""
+
+    def __init__(
+        self,
+        triton_grpc_url: str,
+        model_path: str | Path,
+        served_model_name: str,
+        *,
+        host: str = LOOPBACK,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = LOG_DIR,
+        startup_timeout_s: float = 120.0,
+    ):
+        self.triton_grpc_url = triton_grpc_url
+        self.model_path = Path(model_path)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port or free_port(host)
+        self.extra_env = dict(env or {})
+        self.log_dir = log_dir
+        self.startup_timeout_s = startup_timeout_s
+        self.process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        host = LOOPBACK if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "openai_frontend",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--triton-url", self.triton_grpc_url,
+            "--model-path", str(self.model_path),
+            "--served-model-name", self.served_model_name,
+        ]  # fmt: skip
+
+    def start(self, watch: list[ManagedProcess] | None = None) -> Frontend:
+        env = dict(os.environ, **self.extra_env)
+        log = _log_path(self.log_dir, "frontend", self.port)
+        self.process = ManagedProcess("openai_frontend", self.argv(), env, REPO_ROOT, log)
+        try:
+            wait_http_ok(f"{self.url}/health", [self.process, *(watch or [])], self.startup_timeout_s, "the frontend")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop(timeout=10)
+            self.process = None
+
+
+class Stack:
+    """tritonserver and the frontend together; the frontend can be left out."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        port: int | None = None,
+        host: str = LOOPBACK,
+        served_model_name: str | None = None,
+        triton: TritonServer | None = None,
+        triton_ports: TritonPorts | None = None,
+        with_frontend: bool = True,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = LOG_DIR,
+    ):
+        """`triton`: an already running server to put the frontend on (not stopped here)."""
+        self.model_path = Path(model_path) if model_path else (triton.model_path if triton else default_model_path())
+        self.served_model_name = served_model_name or self.model_path.name
+        self._owns_triton = triton is None
+        self.triton = triton or TritonServer(self.model_path, ports=triton_ports, env=env, log_dir=log_dir)
+        self.frontend = (
+            Frontend(self.triton.grpc_url, self.model_path, self.served_model_name,
+                     host=host, port=port, env=env, log_dir=log_dir)
+            if with_frontend else None
+        )  # fmt: skip
+
+    base_url = property(lambda self: f"{self.frontend.url}/v1" if self.frontend else None)
+    triton_grpc_url = property(lambda self: self.triton.grpc_url)
+    triton_http_url = property(lambda self: self.triton.http_url)
+    triton_metrics_url = property(lambda self: self.triton.metrics_url)
+
+    def start(self) -> Stack:
+        try:
+            if self._owns_triton:
+                self.triton.start()
+            if self.frontend is not None:
+                watch = [self.triton.process] if self.triton.process else []
+                self.frontend.start(watch)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Drain the model first: live requests end with finish_reason abort and the
+        frontend's streams close on their own, so the frontend stops at once."""
+        if self._owns_triton:
+            self.triton.drain()
+        if self.frontend is not None:
+            self.frontend.stop()
+        if self._owns_triton:
+            self.triton.stop()
+
+    def processes(self) -> list[ManagedProcess]:
+        procs = [self.frontend.process if self.frontend else None, self.triton.process]
+        return [p for p in procs if p is not None]
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

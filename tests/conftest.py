@@ -1,0 +1,37 @@
+"""Shared fixtures: the serving stack, started once per session on free loopback ports.
+
+`triton_only`: tritonserver serving model `llm` (the default model), no frontend.
+`stack`: the OpenAI frontend on top of that same server; `.base_url` is
+"http://127.0.0.1:PORT/v1", plus `.triton_grpc_url`, `.triton_http_url`,
+`.triton_metrics_url`. Both always tear down (stub processes and shm files included).
+Process logs go to build/logs/.
+
+Markers (`e2e`, `slow`, `gpu`) are registered in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from launcher import Stack, TritonServer
+from launcher.layout import default_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """$MODEL if set, else the default model (converted on first use)."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def triton_only(model_path) -> Iterator[TritonServer]:
+    with TritonServer(model_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def stack(triton_only, model_path) -> Iterator[Stack]:
+    with Stack(model_path, triton=triton_only) as running:
+        yield running
