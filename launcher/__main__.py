@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.layout import BACKEND_DIR, SetupError, check_numpy_abi, default_model_path, prepare_backend_dir
+from launcher.layout import SetupError, check_numpy_abi, default_model_path, find_triton
 from launcher.procs import StartupError
 from launcher.stack import Stack, TritonPorts
 
@@ -28,8 +28,8 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    backend_dir = prepare_backend_dir()
-    print(f"triton backend folder: {backend_dir}")
+    install = find_triton()
+    print(f"tritonserver: {install.tritonserver}; backend folder: {install.backend_dir}")
     model = default_model_path()
     print(f"model: {model}")
     try:
@@ -40,7 +40,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    prepare_backend_dir(BACKEND_DIR)
+    find_triton()
     model = default_model_path(args.model)
     signal.signal(signal.SIGTERM, _on_sigterm)
     stack = Stack(

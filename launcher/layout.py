@@ -99,6 +99,27 @@ def _copy_if_changed(source: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+@dataclass(frozen=True, slots=True)
+class TritonInstall:
+    """The tritonserver binary to run, its backend folder, and the libraries it needs."""
+
+    tritonserver: Path
+    backend_dir: Path
+    lib_dirs: tuple[str, ...] = ()
+
+
+def find_triton() -> TritonInstall:
+    """$TRITONSERVER_BIN with $TRITON_BACKEND_DIR (NVIDIA's image), else the wheel's."""
+    binary = os.environ.get("TRITONSERVER_BIN")
+    if binary:
+        backends = Path(os.environ.get("TRITON_BACKEND_DIR", "/opt/tritonserver/backends"))
+        if not Path(binary).exists() or not (backends / "python").is_dir():
+            raise SetupError(f"TRITONSERVER_BIN={binary} or TRITON_BACKEND_DIR={backends} (no python/) is wrong")
+        return TritonInstall(Path(binary), backends)
+    wheel = TritonWheel.find()
+    return TritonInstall(wheel.tritonserver, prepare_backend_dir(BACKEND_DIR, wheel), (str(wheel.libs),))
+
+
 def python_libdir() -> str:
     """The running Python's LIBDIR: the stub must load this libpython, not the system's."""
     return sysconfig.get_config_var("LIBDIR") or ""
@@ -109,15 +130,15 @@ def venv_bin() -> Path:
     return Path(sys.executable).parent
 
 
-def triton_env(wheel: TritonWheel, base: dict[str, str] | None = None) -> dict[str, str]:
+def triton_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment tritonserver and its stubs need (see TRITON_NOTES.md).
 
     LD_LIBRARY_PATH: the running Python's LIBDIR (so the stub loads the matching
-    libpython) and the wheel's libs. PATH: this Python's bin/ first (the stub finds
+    libpython) and the install's libs (the wheel's). PATH: this Python's bin/ first (the stub finds
     `python3` on PATH and takes its packages from there).
     """
     env = dict(os.environ if base is None else base)
-    lib_path = [python_libdir(), str(wheel.libs), env.get("LD_LIBRARY_PATH", "")]
+    lib_path = [python_libdir(), *install.lib_dirs, env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in lib_path if p)
     env["PATH"] = os.pathsep.join(p for p in (str(venv_bin()), env.get("PATH", "")) if p)
     return env

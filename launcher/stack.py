@@ -18,14 +18,13 @@ from pathlib import Path
 
 from backend.contract import MODEL_NAME
 from launcher.layout import (
-    BACKEND_DIR,
     BUILD_DIR,
     MODEL_REPOSITORY,
     REPO_ROOT,
-    TritonWheel,
+    TritonInstall,
     check_numpy_abi,
     default_model_path,
-    prepare_backend_dir,
+    find_triton,
     triton_env,
 )
 from launcher.procs import (
@@ -97,12 +96,12 @@ class TritonServer:
     grpc_url = property(lambda self: f"{LOOPBACK}:{self.ports.grpc}")
     metrics_url = property(lambda self: f"http://{LOOPBACK}:{self.ports.metrics}/metrics")
 
-    def argv(self, wheel: TritonWheel) -> list[str]:
+    def argv(self, install: TritonInstall) -> list[str]:
         p = self.ports
         return [
-            str(wheel.tritonserver),
+            str(install.tritonserver),
             f"--model-repository={MODEL_REPOSITORY}",
-            f"--backend-directory={BACKEND_DIR}",
+            f"--backend-directory={install.backend_dir}",
             f"--http-port={p.http}",
             f"--grpc-port={p.grpc}",
             f"--metrics-port={p.metrics}",
@@ -114,14 +113,13 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         check_numpy_abi()
-        wheel = TritonWheel.find()
-        prepare_backend_dir(BACKEND_DIR, wheel)
-        env = triton_env(wheel)
+        install = find_triton()
+        env = triton_env(install)
         env.update(self.extra_env)
         env["LLM_MODEL_PATH"] = str(self.model_path)
         env["LLM_SOURCE_ROOT"] = str(REPO_ROOT)
         log = _log_path(self.log_dir, "tritonserver", self.ports.grpc)
-        self.process = ManagedProcess("tritonserver", self.argv(wheel), env, REPO_ROOT, log)
+        self.process = ManagedProcess("tritonserver", self.argv(install), env, REPO_ROOT, log)
         try:
             ready = f"{self.http_url}/v2/models/{MODEL_NAME}/ready"
             wait_http_ok(ready, [self.process], self.startup_timeout_s, f"model {MODEL_NAME!r}")
