@@ -180,17 +180,16 @@ LONG = {"prompt": STORY, "max_tokens": 3000, "min_tokens": 3000, "temperature": 
 
 
 def _assert_cancelled(stack, aborts: float) -> None:
-    """The frontend counted the abort, and the model's request ended."""
+    """The frontend counted the abort; the model's request ended and its KV blocks came free."""
     deadline = time.monotonic() + 10
     while _frontend_aborts(stack) == aborts and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _frontend_aborts(stack) == aborts + 1
-    metrics_url = getattr(stack, "triton_metrics_url", None)
-    if metrics_url is None or _metric(metrics_url, "llm_requests_in_flight") is None:
-        return
-    while _metric(metrics_url, "llm_requests_in_flight") != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _metric(metrics_url, "llm_requests_in_flight") == 0
+    url = stack.triton_metrics_url
+    for name in ("llm_requests_in_flight", "llm_kv_blocks_used"):
+        while _metric(url, name) != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _metric(url, name) == 0, name
 
 
 def test_disconnect_mid_stream_cancels_the_request(stack, client, model):
