@@ -193,7 +193,7 @@ class FakeEngine:
 class Pipeline:
     def __init__(self, engine: FakeEngine):
         self.co = StreamCoalescer()
-        self.thread = EngineThread(engine, self.co.push, self.co.fail)
+        self.thread = EngineThread(lambda: engine, self.co.push, self.co.fail)
         self.thread.start()
 
     def submit(self, rid: str, prompt: list[int], max_tokens: int = 3, stream: bool = True) -> None:
@@ -281,3 +281,24 @@ def test_shutdown_aborts_in_flight_requests_with_finals():
     p.co.open("late", True)
     p.thread.submit(EngineRequest("late", [1]))
     assert str(p.collect("late", timeout=1.0)[-1].error) == "the server is shutting down"
+
+
+def test_engine_is_built_on_the_engine_thread_and_build_errors_surface():
+    built_on = []
+
+    def make():
+        built_on.append(threading.get_ident())
+        return FakeEngine()
+
+    thread = EngineThread(make, lambda outs: None, lambda rid, exc: None)
+    thread.start()
+    assert built_on == [thread._thread.ident]
+    thread.shutdown()
+
+    def broken():
+        raise ValueError("no such model folder")
+
+    failing = EngineThread(broken, lambda outs: None, lambda rid, exc: None)
+    with pytest.raises(ValueError, match="no such model folder"):
+        failing.start()
+    assert not failing.alive

@@ -61,9 +61,8 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         _check_numpy_abi()
         config = EngineConfig.from_env(os.environ.get("LLM_MODEL_PATH"))
-        engine = LLMEngine(config)
         self._coalescer = StreamCoalescer()
-        self._engine_thread = EngineThread(engine, self._coalescer.push, self._coalescer.fail)
+        self._engine_thread = EngineThread(lambda: LLMEngine(config), self._coalescer.push, self._coalescer.fail)
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
         self._ids = itertools.count()
