@@ -8,6 +8,7 @@ Triton metrics address.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 
@@ -231,3 +232,16 @@ def test_bad_input_is_refused_in_openai_shape(client, model, kwargs, error, para
     body = info.value.body
     assert body["param"] == param and body["message"] and "type" in body and "code" in body
     _assert_serves(client, model)
+
+
+def test_repeated_prompt_reports_prefix_cache_hits(client, model):
+    # a system prompt of a few hundred tokens, unique to this test so nothing cached it before
+    system = " ".join(f"Rule {i}: answer with care about topic number {i}." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+    first = _chat(client, model, messages, max_tokens=2, temperature=0).usage
+    again = _chat(client, model, messages, max_tokens=2, temperature=0).usage
+    assert first.prompt_tokens == again.prompt_tokens > 300
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # every full block of the prompt but the one holding its last token is a hit
+    block = int(os.environ.get("BLOCK_SIZE") or 16)  # the server inherits the tests' environment
+    assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
