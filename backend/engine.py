@@ -65,7 +65,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
                 "tokens, which must hold the prompt and at least one generated token",
             )
-        request.sampling.validate()
+        request.sampling.validate(self.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its final output (ABORT) comes out of the next step()."""
@@ -112,7 +112,9 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.sampling
         banned = () if params.min_tokens == 0 else self._stop_ids(params)
-        return SamplingRow(params, seq.num_output_tokens, banned)
+        # The live list, not a copy: the sampler reads it before this step appends.
+        history = seq.token_ids if params.uses_penalties else ()
+        return SamplingRow(params, seq.num_output_tokens, banned, history)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.eos_token_ids

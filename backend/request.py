@@ -30,9 +30,12 @@ class StopGuard(enum.Enum):
 class SamplingParams:
     """The sampling and stopping settings of one request.
 
-    temperature 0 means greedy. top_k 0 and top_p 1.0 are off. max_tokens None means
-    up to the context length. A seeded request draws from a generator seeded from
-    (seed, token index), so its tokens do not depend on the rest of the batch.
+    temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0, top_n_sigma 0,
+    repetition_penalty 1, presence/frequency_penalty 0 and an empty logit bias are off.
+    max_tokens None means up to the context length. A seeded request draws from a
+    generator seeded from (seed, token index), so its tokens do not depend on the rest
+    of the batch. The logit bias is two parallel tuples (token ids, values), as on the
+    wire; a repeated id adds up.
     """
 
     max_tokens: int | None = None
@@ -40,6 +43,13 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    top_n_sigma: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens (HF / vLLM)
+    presence_penalty: float = 0.0  # over output tokens (OpenAI)
+    frequency_penalty: float = 0.0  # over output tokens (OpenAI)
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -48,8 +58,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise contract.ContractError naming the first bad field."""
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler needs this request's token history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise contract.ContractError naming the first bad field.
+
+        With `vocab_size`, logit bias ids are also checked against the vocabulary.
+        """
+        vocab_end = vocab_size if vocab_size is not None else 2**31
+        id_range = f"must be in [0, {vocab_size})" if vocab_size is not None else "must be at least 0"
         checks = (
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be at least 0"),
@@ -61,6 +81,26 @@ class SamplingParams:
             ("temperature", self.temperature >= 0.0, "must be at least 0"),
             ("top_k", self.top_k >= 0, "must be at least 0 (0 turns it off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("top_n_sigma", self.top_n_sigma >= 0.0, "must be at least 0 (0 turns it off)"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0 (1 turns it off)"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            (
+                "logit_bias_values",
+                len(self.logit_bias_values) == len(self.logit_bias_ids),
+                "must hold one value per id in logit_bias_ids",
+            ),
+            (
+                "logit_bias_ids",
+                all(0 <= t < vocab_end for t in self.logit_bias_ids),
+                f"token ids {id_range}",
+            ),
+            (
+                "logit_bias_values",
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias_values),
+                "values must be in [-100, 100]",
+            ),
         )
         for name, ok, why in checks:
             if not ok:
@@ -109,6 +149,13 @@ def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
         temperature=values["temperature"],
         top_k=values["top_k"],
         top_p=values["top_p"],
+        min_p=values["min_p"],
+        top_n_sigma=values["top_n_sigma"],
+        repetition_penalty=values["repetition_penalty"],
+        presence_penalty=values["presence_penalty"],
+        frequency_penalty=values["frequency_penalty"],
+        logit_bias_ids=tuple(values["logit_bias_ids"]),
+        logit_bias_values=tuple(values["logit_bias_values"]),
         seed=values["seed"],
         stop_token_ids=tuple(values["stop_tokens"]),
         ignore_eos=values["ignore_eos"],

@@ -69,6 +69,21 @@ class GenerationRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _token_ids_to_bounded_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # the vocabulary bound is the model's to check (its error names logit_bias too)
+        for key, value in (bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(f"keys must be token ids, got {key!r}") from None
+            if not 0 <= token_id < 2**31:
+                raise ValueError(f"token id {token_id} is out of range")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {token_id}")
+        return bias
+
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 

@@ -64,7 +64,7 @@ def test_none_fields_are_left_out():
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("num_beams", 4), ("presence_penalty", 0.5), ("images", [b"\x89PNG"]), ("grammar_kind", b"json")],
+    [("num_beams", 4), ("dry_multiplier", 0.5), ("images", [b"\x89PNG"]), ("grammar_kind", b"json")],
 )
 def test_unimplemented_field_with_a_non_default_value_is_rejected(name, value):
     arrays = encode_request({"prompt_tokens": [1], name: value})
@@ -75,7 +75,7 @@ def test_unimplemented_field_with_a_non_default_value_is_rejected(name, value):
 
 
 def test_unimplemented_field_at_its_default_is_accepted():
-    values = decode_request(encode_request({"prompt_tokens": [1], "num_beams": 1, "presence_penalty": 0.0}))
+    values = decode_request(encode_request({"prompt_tokens": [1], "num_beams": 1, "dry_multiplier": 0.0}))
     assert values["num_beams"] == 1
 
 

@@ -114,6 +114,8 @@ def test_abort_frees_blocks_and_ends_with_abort(engine, prompts):
         ([1] * 9000, SamplingParams(), "prompt_tokens"),
         ([1, 2], SamplingParams(top_p=0.0), "top_p"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(presence_penalty=3.0), "presence_penalty"),
+        ([1, 2], SamplingParams(logit_bias_ids=(10**6,), logit_bias_values=(1.0,)), "logit_bias_ids"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_field(engine, prompt, params, field):
@@ -121,3 +123,15 @@ def test_bad_requests_are_refused_naming_the_field(engine, prompt, params, field
         engine.add_request(EngineRequest("bad", prompt, params))
     assert err.value.field == field
     assert not engine.has_unfinished_requests()
+
+
+def test_penalized_rows_in_a_batch_equal_each_row_alone(engine, prompts):
+    """The engine hands each row its own prompt and output history."""
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.8
+    )
+    params = [penalized, GREEDY, penalized, GREEDY]
+    chosen = [prompts[0], prompts[3], prompts[6], prompts[4]]
+    alone = [engine.generate([p], sp)[0] for p, sp in zip(chosen, params, strict=True)]
+    assert engine.generate(chosen, params) == alone
+    assert alone[0] != engine.generate([chosen[0]], GREEDY)[0][:16]  # and the penalty did something

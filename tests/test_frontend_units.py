@@ -252,6 +252,13 @@ def test_chat_features_map_to_their_inputs_and_back():
         ({"logprobs": True}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
     ],
 )
 def test_chat_validation_names_the_field(extra, param):
@@ -272,7 +279,7 @@ def test_completion_prompt_forms():
 
 
 def test_engine_error_names_a_contract_field():
-    assert engine_error("presence_penalty: not supported").field == "presence_penalty"
+    assert engine_error("dry_multiplier: not supported").field == "dry_multiplier"
     assert engine_error("CUDA out of memory").field is None
     assert engine_error("Error: something").field is None
 
@@ -373,11 +380,11 @@ def test_stop_string_cuts_and_cancels(app, tokenization):
 
 
 def test_model_refusal_becomes_400_naming_the_field(app):
-    engine = FakeEngine([], error=engine_error("presence_penalty: advanced samplers are not supported"))
-    body = {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "stream": True}
+    engine = FakeEngine([], error=engine_error("dry_multiplier: advanced samplers are not supported"))
+    body = {"messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.5, "stream": True}
     response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "presence_penalty"
+    assert response.json()["error"]["param"] == "dry_multiplier"
 
 
 USER_X = [{"role": "user", "content": "x"}]

@@ -32,6 +32,13 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def _chat(client, model, messages=CAPITAL, **kwargs):
     return client.chat.completions.create(model=model, messages=messages, **kwargs)
 
@@ -131,6 +138,25 @@ def test_top_k_one_is_greedy(client, model):
     assert top1 == greedy
 
 
+def test_logit_bias_forces_its_token(client, model, tokenizer):
+    [banana] = tokenizer.encode(" banana", add_special_tokens=False)
+    for temperature in (0, 1.0):
+        reply = client.completions.create(
+            model=model, prompt=STORY, max_tokens=3, temperature=temperature, logit_bias={str(banana): 100}
+        )
+        assert reply.choices[0].text == tokenizer.decode([banana] * 3)
+        assert reply.usage.completion_tokens == 3
+
+
+def test_frequency_penalty_breaks_a_loop(client, model, tokenizer):
+    def repeats(**kwargs) -> int:
+        kwargs = dict(model=model, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3,", max_tokens=32, temperature=0, **kwargs)
+        ids = tokenizer.encode(client.completions.create(**kwargs).choices[0].text, add_special_tokens=False)
+        return len(ids) - len(set(ids))
+
+    assert repeats(frequency_penalty=1.5) < repeats()
+
+
 def test_min_tokens_forces_length(client, model):
     short = [{"role": "user", "content": "Reply with the single word: yes"}]
     natural = _chat(client, model, short, temperature=0, max_tokens=40).usage.completion_tokens
@@ -217,8 +243,13 @@ def test_disconnect_before_a_non_streaming_reply_cancels_the_request(stack, clie
     [
         ({"temperature": -1}, openai.BadRequestError, "temperature"),
         ({"n": 2}, openai.BadRequestError, "n"),
-        ({"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
-        ({"presence_penalty": 0.5, "stream": True}, openai.BadRequestError, "presence_penalty"),
+        ({"extra_body": {"dry_multiplier": 0.5}}, openai.BadRequestError, "dry_multiplier"),
+        ({"extra_body": {"dry_multiplier": 0.5}, "stream": True}, openai.BadRequestError, "dry_multiplier"),
+        ({"presence_penalty": 3}, openai.BadRequestError, "presence_penalty"),
+        ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias"),
+        ({"logit_bias": {"99999999": 5}}, openai.BadRequestError, "logit_bias"),  # outside the vocabulary
+        ({"logit_bias": {"99999999": 5}, "stream": True}, openai.BadRequestError, "logit_bias"),
+        ({"extra_body": {"top_n_sigma": -1}}, openai.BadRequestError, "top_n_sigma"),
         ({"extra_body": {"num_beams": 4}}, openai.BadRequestError, "num_beams"),
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"messages": []}, openai.BadRequestError, "messages"),
