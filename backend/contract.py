@@ -74,7 +74,6 @@ def _list(name, dtype, implemented=True, feature=""):
     return TensorSpec(name, dtype, (-1,), (), implemented, feature)
 
 
-_SAMPLERS = "advanced samplers and penalties"
 _BEAMS = "translation with beam search"
 _VISION = "vision inputs"
 _GUARDS = "reasoning and guards"
@@ -107,10 +106,10 @@ INPUTS: tuple[TensorSpec, ...] = (
     _scalar("repetition_penalty", "float32", 1.0),
     _scalar("presence_penalty", "float32", 0.0),
     _scalar("frequency_penalty", "float32", 0.0),
-    _scalar("dry_multiplier", "float32", 0.0, False, _SAMPLERS),
-    _scalar("dry_base", "float32", 1.75, False, _SAMPLERS),
-    _scalar("dry_allowed_length", "int32", 2, False, _SAMPLERS),
-    _scalar("lz_penalty", "float32", 0.0, False, _SAMPLERS),
+    _scalar("dry_multiplier", "float32", 0.0),
+    _scalar("dry_base", "float32", 1.75),
+    _scalar("dry_allowed_length", "int32", 2),
+    _scalar("lz_penalty", "float32", 0.0),
     _list("logit_bias_ids", "int32"),
     _list("logit_bias_values", "float32"),
     _scalar("seed", "int64"),  # absent: unseeded
@@ -132,9 +131,10 @@ INPUTS: tuple[TensorSpec, ...] = (
     # speculative decoding: there is no draft yet, so disabling it is always honoured
     _scalar("disable_mtp", "bool", False),
     # logprobs
-    _scalar("top_logprobs", "int32", 0, False, "logprobs"),
-    _scalar("prompt_logprobs", "int32", 0, False, "prompt logprobs"),
-    _scalar("echo", "bool", False, False, "echo"),
+    _scalar("logprobs", "bool", False),  # return the sampled tokens' logprobs
+    _scalar("top_logprobs", "int32", 0),  # and this many alternatives, 0..20 (implies logprobs)
+    _scalar("prompt_logprobs", "int32", 0),  # > 0: return each prompt token's logprob
+    _scalar("echo", "bool", False),  # return each prompt token's logprob (completions echo)
     # delivery
     _scalar("stream", "bool", False),
 )
@@ -145,7 +145,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     _list("token_logprobs", "float32"),
     TensorSpec("top_logprob_ids", "int32", (-1, -1)),  # [num_tokens, k]
     TensorSpec("top_logprob_values", "float32", (-1, -1)),
-    _list("prompt_logprobs", "float32"),  # once, before the first token
+    _list("prompt_logprobs", "float32"),  # once, with the first token; one per prompt token, the first NaN
     # the final event
     _scalar("finish_reason", "bytes"),
     _scalar("stop_guard", "bytes"),  # which guard ended the sequence ("" if none)

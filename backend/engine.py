@@ -9,6 +9,7 @@ import time
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.contract import ContractError
+from backend.logprobs import TokenLogprobs
 from backend.model_runner import ModelRunner
 from backend.request import (
     EngineRequest,
@@ -96,13 +97,18 @@ class LLMEngine:
             return outputs
         completing = [item for item in plan.scheduled if item.completes]
         rows = [self._sampling_row(item.seq) for item in completing]
-        tokens = self.runner.execute(plan.scheduled, rows)
+        result = self.runner.execute(plan.scheduled, rows)
+        for seq, start, values in result.prompt_logprobs:
+            del seq.prompt_logprobs[start:]  # a preempted prompt is recomputed from its start
+            seq.prompt_logprobs.extend(values)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         now = time.monotonic()
-        for item, token in zip(completing, tokens, strict=False):
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for item, token, token_lp in zip(completing, result.tokens, logprobs, strict=False):
             out = self._append_token(item.seq, token, now)
             if out is not None:
+                _attach_logprobs(out, item.seq, token_lp)
                 outputs.append(out)
         for item in plan.scheduled:
             if not item.seq.is_finished:
@@ -178,3 +184,15 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+
+def _attach_logprobs(out: RequestOutput, seq: Sequence, token_lp: TokenLogprobs | None) -> None:
+    """Logprobs ride with the tokens they describe (none for a stopping token, which is
+    not emitted); prompt logprobs ride once, with the first output."""
+    if token_lp is not None:
+        emitted = bool(out.new_token_ids)
+        out.logprobs = [token_lp.logprob] if emitted else []
+        out.top_logprobs = [(token_lp.top_ids, token_lp.top_values)] if emitted else []
+    if seq.prompt_logprobs is not None:
+        out.prompt_logprobs = [None, *seq.prompt_logprobs]
+        seq.prompt_logprobs = None  # sent: a later recompute (preemption) may use the prefix cache

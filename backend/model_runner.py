@@ -6,13 +6,17 @@ Owns the model weights and the KV cache tensors (one per layer,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from backend import logprobs as lp
 from backend.config import EngineConfig
 from backend.forward_batch import ForwardBatch
 from backend.loader import load_model
 from backend.sampler import SamplingRow, sample
 from backend.scheduler import ScheduledSeq
+from backend.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +34,17 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         return _DTYPES[config.dtype]
     # bfloat16 matmuls measured slower than float32 on these CPUs, even at batch 32
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward produced: a token per completing sequence, and the logprobs asked for."""
+
+    tokens: list[int]
+    # per completing sequence, None where its request did not ask
+    logprobs: list[lp.TokenLogprobs | None] = field(default_factory=list)
+    # (sequence, first prompt position of the chunk, logprobs of prompt tokens start+1 ..)
+    prompt_logprobs: list[tuple[Sequence, int, list[float]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -95,14 +110,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow]) -> list[int]:
-        """Forward the step; return one sampled token per sequence that completes.
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow]) -> StepResult:
+        """Forward the step; sample one token per sequence that completes.
 
         rows: sampling info for the completing sequences, in their scheduled order.
+        Logprobs are computed only for the rows and prompts that asked for them.
         """
         batch = self.build_batch(scheduled)
         hidden = self.model(batch, self.kv_caches)
+        spans = lp.prompt_logprob_spans(scheduled, batch.query_start)
+        prompt = lp.prompt_logprobs(hidden, spans, self.model.compute_logits) if spans else []
+        result = StepResult([], [], [(s.seq, s.start, v) for s, v in zip(spans, prompt, strict=True)])
         if not rows:
-            return []
+            return result
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return sample(logits, rows)
+        wanted, raw = lp.raw_logprobs(logits, rows)  # before sampling: it edits logits in place
+        result.tokens = sample(logits, rows)
+        result.logprobs = lp.token_logprobs(wanted, raw, rows, result.tokens)
+        return result

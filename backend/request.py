@@ -31,7 +31,10 @@ class SamplingParams:
     """The sampling and stopping settings of one request.
 
     temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0, top_n_sigma 0,
-    repetition_penalty 1, presence/frequency_penalty 0 and an empty logit bias are off.
+    repetition_penalty 1, presence/frequency_penalty 0, dry_multiplier 0, lz_penalty 0
+    and an empty logit bias are off. DRY's sequence breakers are token ids (the engine
+    has no tokenizer text; the contract has no input for them yet, so they stay empty
+    on the wire and llama.cpp's string breakers are not applied).
     max_tokens None means up to the context length. A seeded request draws from a
     generator seeded from (seed, token index), so its tokens do not depend on the rest
     of the batch. The logit bias is two parallel tuples (token ids, values), as on the
@@ -48,20 +51,39 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt and output tokens (HF / vLLM)
     presence_penalty: float = 0.0  # over output tokens (OpenAI)
     frequency_penalty: float = 0.0  # over output tokens (OpenAI)
+    dry_multiplier: float = 0.0  # DRY (llama.cpp), over prompt and output tokens
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[int, ...] = ()
+    lz_penalty: float = 0.0  # ours: logit -= lz_penalty * repeat length
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # logprobs of the raw distribution (before bias, penalties, temperature, truncation)
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
+    prompt_logprobs: bool = False  # each prompt token's logprob (skips the prefix cache)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether the sampler needs this request's token history."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.dry_multiplier != 0.0
+            or self.lz_penalty != 0.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise contract.ContractError naming the first bad field.
@@ -86,6 +108,11 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0 (1 turns it off)"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("dry_multiplier", self.dry_multiplier >= 0.0, "must be at least 0 (0 turns it off)"),
+            ("dry_base", self.dry_base >= 1.0, "must be at least 1"),
+            ("dry_allowed_length", self.dry_allowed_length >= 1, "must be at least 1"),
+            ("lz_penalty", self.lz_penalty >= 0.0, "must be at least 0 (0 turns it off)"),
             (
                 "logit_bias_values",
                 len(self.logit_bias_values) == len(self.logit_bias_ids),
@@ -135,6 +162,11 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     final: FinalStats | None = None  # set on the last output of the request
+    # when the request asked: one per new token, and its top alternatives (ids, values)
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # once, with the first token: one per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[float | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -154,11 +186,20 @@ def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
         repetition_penalty=values["repetition_penalty"],
         presence_penalty=values["presence_penalty"],
         frequency_penalty=values["frequency_penalty"],
+        dry_multiplier=values["dry_multiplier"],
+        dry_base=values["dry_base"],
+        dry_allowed_length=values["dry_allowed_length"],
+        lz_penalty=values["lz_penalty"],
         logit_bias_ids=tuple(values["logit_bias_ids"]),
         logit_bias_values=tuple(values["logit_bias_values"]),
         seed=values["seed"],
         stop_token_ids=tuple(values["stop_tokens"]),
         ignore_eos=values["ignore_eos"],
+        logprobs=values["logprobs"],
+        top_logprobs=values["top_logprobs"],
+        prompt_logprobs=values["prompt_logprobs"] > 0 or values["echo"],
     )
+    if not 0 <= values["prompt_logprobs"] <= 20:
+        raise contract.ContractError("prompt_logprobs", "must be in [0, 20]")
     params.validate()
     return params

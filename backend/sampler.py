@@ -5,10 +5,14 @@
    get -inf until the row has produced min_tokens;
 3. penalties: repetition (HF / vLLM: over prompt and output tokens, a positive logit
    is divided by the penalty, a negative one multiplied), then presence and frequency
-   (OpenAI: over output tokens only, logit -= presence * (count > 0) + frequency * count);
+   (OpenAI: over output tokens only, logit -= presence * (count > 0) + frequency * count),
+   then DRY (llama.cpp: logit -= multiplier * base ** (L - allowed_length) where the
+   candidate would extend a repeat of length L >= allowed_length of the context's end),
+   then LZ (ours: logit -= lz_penalty * L for every L >= 1); L from backend.repeats;
 4. greedy rows (temperature 0): argmax, done (bias and penalties apply to them too);
 5. temperature: logits / t;
-6. filters, on the descending sort of the row (only when some row asks): top-k, then
+6. filters, on the descending sort of the row (only when some row asks; a partial
+   sort of the top max(top_k) when every row sets top_k): top-k, then
    top-p over the top-k renormalized probabilities, then min-p (keep p >= min_p * max p),
    then top-n-sigma (keep logit >= max - n * std, the std over the row's finite
    temperature-scaled logits, population std, as llama.cpp). min-p and top-n-sigma are
@@ -16,9 +20,9 @@
    same tokens whether they come before or after top-k / top-p (vLLM also applies
    min-p after top-k / top-p); only top-p's mass depends on what came before it;
 7. draw: argmax(p / q) with q ~ Exp(1) (the exponential race, an exact draw from p),
-   q from the row's own generator when the request is seeded. That generator is
-   seeded from (seed, output index), so a seeded request gets the same tokens
-   whatever else shares its batch, and whatever its batch did before.
+   q = -log u with u a counter-based hash of (seed, output index, token id) when the
+   request is seeded, so a seeded request gets the same tokens whatever else shares
+   its batch, and whatever its batch did before.
 
 Each step is one batched op over the rows that use it; a batch where no row uses a
 feature skips it entirely.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.repeats import dry_penalties, lz_penalties
 from backend.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -93,9 +98,9 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         _add_at(logits, [i for i, b in masked for _ in b], [t for _, b in masked for t in b], float("-inf"))
 
 
-def token_counts(rows: list[SamplingRow], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(all_counts, output_counts): [R, V] float32 occurrences of each token in each
-    row's prompt + output, and in its output only."""
+def token_counts(rows: list[SamplingRow], vocab: int, device) -> tuple[torch.Tensor, ...]:
+    """Sparse counts of each row's history: (row, id, all_counts, output_counts), [N] each,
+    one entry per distinct (row, token) pair of the rows' prompt + output tokens."""
     lengths = [len(r.token_ids) for r in rows]
     flat = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in rows)), dtype=torch.long)
     length_t = torch.tensor(lengths, dtype=torch.long)
@@ -104,12 +109,10 @@ def token_counts(rows: list[SamplingRow], vocab: int, device) -> tuple[torch.Ten
     position = torch.arange(flat.numel()) - starts[row_of]  # index within its row
     num_prompt = torch.tensor([max(n - r.num_output_tokens, 0) for n, r in zip(lengths, rows, strict=True)])
     is_output = (position >= num_prompt[row_of]).float()
-    slot = (row_of * vocab + flat).to(device)  # [N] index into the flattened [R, V]
-    all_counts = torch.zeros(len(rows) * vocab, device=device)
-    all_counts.scatter_add_(0, slot, torch.ones(flat.numel(), device=device))
-    output_counts = torch.zeros(len(rows) * vocab, device=device)
-    output_counts.scatter_add_(0, slot, is_output.to(device))
-    return all_counts.view(len(rows), vocab), output_counts.view(len(rows), vocab)
+    slots, which, all_counts = torch.unique(row_of * vocab + flat, return_inverse=True, return_counts=True)
+    output_counts = torch.zeros(len(slots)).scatter_add_(0, which, is_output)
+    to = dict(device=device)
+    return (slots // vocab).to(**to), (slots % vocab).to(**to), all_counts.float().to(**to), output_counts.to(**to)
 
 
 def penalize(
@@ -120,33 +123,62 @@ def penalize(
     presence: torch.Tensor,
     frequency: torch.Tensor,
 ) -> torch.Tensor:
-    """logits, counts: [R, V]; repetition, presence, frequency: [R] -> penalized [R, V]."""
-    repetition = repetition.unsqueeze(1)
+    """Elementwise, any shape (here [N] history entries): the penalized logits."""
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(all_counts > 0, repeated, logits)
-    return logits - presence.unsqueeze(1) * (output_counts > 0) - frequency.unsqueeze(1) * output_counts
+    return logits - presence * (output_counts > 0) - frequency * output_counts
+
+
+def _counts_penalized(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    penalized = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    """Repetition, presence and frequency: the penalties that count tokens."""
+    penalized = [i for i, r in enumerate(rows) if _counts_penalized(r.params)]
     if not penalized:
         return
     sub = [rows[i] for i in penalized]
     device = logits.device
-    all_counts, output_counts = token_counts(sub, logits.shape[1], device)
+    # only the tokens of the histories change: gather them, penalize, scatter back
+    row_of, ids, all_counts, output_counts = token_counts(sub, logits.shape[1], device)
+    index = (torch.tensor(penalized, device=device)[row_of], ids)
 
-    def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(r.params, name) for r in sub], dtype=torch.float32, device=device)
+    def per_entry(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(r.params, name) for r in sub], dtype=torch.float32, device=device)[row_of]
 
-    index = torch.tensor(penalized, device=device)
     logits[index] = penalize(
         logits[index],
         all_counts,
         output_counts,
-        per_row("repetition_penalty"),
-        per_row("presence_penalty"),
-        per_row("frequency_penalty"),
+        per_entry("repetition_penalty"),
+        per_entry("presence_penalty"),
+        per_entry("frequency_penalty"),
     )
+
+
+def apply_repeat_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """DRY, then LZ: the penalties on candidates that would extend a repeat.
+
+    The matching is per-row (numpy over a bounded window); rows with neither pay nothing.
+    All subtractions of the batch land in one scatter.
+    """
+    row_index, ids, amounts = [], [], []
+    for i, r in enumerate(rows):
+        p = r.params
+        found = []
+        if p.dry_multiplier > 0:
+            found.append(
+                dry_penalties(r.token_ids, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_sequence_breakers)
+            )
+        if p.lz_penalty > 0:
+            found.append(lz_penalties(r.token_ids, p.lz_penalty))
+        for row_ids, row_amounts in found:
+            row_index += [i] * len(row_ids)
+            ids += row_ids
+            amounts += [-a for a in row_amounts]
+    if ids:
+        _add_at(logits, row_index, ids, amounts)
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +188,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _finite_std(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R]: population std over each row's finite entries."""
     finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return logits.std(dim=-1, correction=0)  # the common case, in one pass
     count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
     values = torch.where(finite, logits, 0.0)
     mean = values.sum(dim=-1, keepdim=True) / count
@@ -174,11 +208,17 @@ def filtered_probs(
 
     logits: [B, V] float32; top_k: [B] int64 (0: off); top_p: [B] float32 (1.0: off);
     min_p: [B] float32 (0: off); top_n_sigma: [B] float32 (0: off).
-    Returns (probs, order): probs [B, V] over the descending order `order` [B, V].
+    Returns (probs, order): probs [B, W] over the descending order `order` [B, W] of
+    the W highest logits: W = the largest top_k when every row sets one, else V.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    width = vocab if bool((top_k <= 0).any()) else min(int(top_k.max()), vocab)
+    if width < vocab:
+        # what every row keeps lies in the top `width`: a partial sort suffices
+        sorted_logits, order = logits.topk(width, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     masked_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = masked_logits.softmax(dim=-1)
@@ -196,15 +236,40 @@ def filtered_probs(
     return probs / probs.sum(dim=-1, keepdim=True), order
 
 
-def _exponential_noise(shape, rows: list[SamplingRow], device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device)
-    for i, row in enumerate(rows):
-        if row.params.seed is None:
-            noise[i].exponential_()
-        else:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed_for_token(row.params.seed, row.num_output_tokens))
-            noise[i].exponential_(generator=gen)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 on int64 tensors holding 32-bit values (products wrap; the mask
+    keeps their exact low 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def seeded_exponential(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """keys: [R] int64 (seed_for_token); ids: [R, W] token ids -> Exp(1) noise [R, W].
+
+    Counter-based: the noise of token t is a pure function of (key, t), so it can be
+    computed at just the tokens a row kept, and equals itself whatever the batch sorted.
+    """
+    lo, hi = (keys & _MASK32).unsqueeze(1), (keys >> 32).unsqueeze(1)
+    h = _mix32(_mix32(ids ^ lo) ^ hi)
+    h = _mix32(h ^ (ids * 0x9E3779B9 & _MASK32) ^ lo)
+    uniform = ((h >> 8).float() + 0.5) / float(1 << 24)  # 24 bits, in (0, 1)
+    return -uniform.log()
+
+
+def _exponential_noise(ids: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """ids: [R, W] -> Exp(1) noise [R, W]; a seeded row's from its (seed, output index)."""
+    noise = torch.empty(ids.shape, device=ids.device).exponential_()
+    seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+    if seeded:
+        keys = [seed_for_token(rows[i].params.seed, rows[i].num_output_tokens) for i in seeded]
+        index = torch.tensor(seeded, device=ids.device)
+        noise[index] = seeded_exponential(torch.tensor(keys, device=ids.device), ids[index])
     return noise
 
 
@@ -229,12 +294,11 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         )
     else:
         probs, order = logits.softmax(dim=-1), None
-    # The noise is indexed by token id, sorted or not, so a seeded row draws the same
-    # token whether or not another row of its batch asked for the sorted path.
-    noise = _exponential_noise(probs.shape, rows, device)
-    if order is None:
-        return (probs / noise).argmax(dim=-1)
-    choice = (probs / noise.gather(1, order)).argmax(dim=-1)
+    if order is None:  # unsorted: column t is token t
+        order = torch.arange(logits.shape[1], device=device).expand(logits.shape)
+    # A seeded row's noise is a function of the token id, so it draws the same token
+    # whether its batch took the full sort, the partial one, or none.
+    choice = (probs / _exponential_noise(order, rows)).argmax(dim=-1)
     return order.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
@@ -244,6 +308,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     apply_logit_bias(logits, rows)
     apply_min_tokens(logits, rows)
     apply_penalties(logits, rows)
+    apply_repeat_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:

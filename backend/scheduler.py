@@ -83,7 +83,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.get_computed_blocks(seq)
+            # prompt logprobs need every prompt position computed: no prefix hits
+            hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
             num_hit_tokens = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_hit_tokens, budget)
             if not bm.allocate_slots(seq, num_new, hits):

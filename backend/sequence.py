@@ -36,11 +36,15 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     stop_guard: StopGuard | None = None
+    # logprobs of prompt tokens 1.. as computed so far; None when not asked for, or
+    # once sent (with the first token)
+    prompt_logprobs: list[float] | None = None
 
     @classmethod
     def from_request(cls, request: EngineRequest) -> Sequence:
         tokens = list(request.prompt_token_ids)
-        return cls(request=request, token_ids=tokens, num_prompt_tokens=len(tokens))
+        prompt_logprobs = [] if request.sampling.prompt_logprobs else None
+        return cls(request=request, token_ids=tokens, num_prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
 
     @property
     def request_id(self) -> str:

@@ -26,6 +26,10 @@ class Packet:
     token_ids: list[int]
     final: FinalStats | None = None
     error: Exception | None = None  # the request failed; its pending tokens are dropped
+    # aligned with token_ids when the request asked for logprobs (RequestOutput's shapes)
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -38,6 +42,22 @@ class _Buffer:
     token_ids: list[int] = field(default_factory=list)
     final: FinalStats | None = None
     error: Exception | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.final = out.final
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+            self.top_logprobs = (self.top_logprobs or []) + (out.top_logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+    def clear(self) -> None:
+        self.token_ids = []
+        self.logprobs = self.top_logprobs = self.prompt_logprobs = None
 
     @property
     def ended(self) -> bool:
@@ -75,8 +95,7 @@ class StreamCoalescer:
                 buf = self._buffers.get(out.request_id)
                 if buf is None or buf.ended:
                     continue
-                buf.token_ids.extend(out.new_token_ids)
-                buf.final = out.final
+                buf.add(out)
                 woke |= self._mark_if_ready(out.request_id, buf)
             if woke:
                 self._cond.notify_all()
@@ -87,7 +106,7 @@ class StreamCoalescer:
             buf = self._buffers.get(request_id)
             if buf is None or buf.ended:
                 return
-            buf.token_ids.clear()
+            buf.clear()
             buf.error = error
             self._mark_if_ready(request_id, buf)
             self._cond.notify_all()
@@ -127,9 +146,11 @@ class StreamCoalescer:
 
     def _take_one(self, request_id: str) -> Packet:
         buf = self._buffers[request_id]
-        packet = Packet(request_id, buf.token_ids, buf.final, buf.error)
+        packet = Packet(
+            request_id, buf.token_ids, buf.final, buf.error, buf.logprobs, buf.top_logprobs, buf.prompt_logprobs
+        )
         if packet.is_last:
             del self._buffers[request_id]
         else:
-            buf.token_ids = []
+            buf.clear()
         return packet

@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench import sampler_cost
+
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
     "Explain how a refrigerator works.",
@@ -216,3 +218,4 @@ def main(argv: list[str] | None = None) -> None:
     print(report(fig, concurrency))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(asdict(fig), indent=2))
+    sampler_cost.main()  # one more line: the sampler's share of a decode step

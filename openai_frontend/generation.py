@@ -11,7 +11,7 @@ from backend import contract
 from openai_frontend.detokenizer import IncrementalDetokenizer
 from openai_frontend.protocol import PromptTokensDetails, Usage
 from openai_frontend.stop import StopMatcher
-from openai_frontend.triton_client import EngineError, Finish, TritonLLM
+from openai_frontend.triton_client import EngineError, Finish, TokenLogprob, TokenPack, TritonLLM
 
 
 @dataclass(slots=True)
@@ -34,10 +34,17 @@ class Outcome:
 
 @dataclass(slots=True)
 class Delta:
-    """New text; the last delta of a generation carries its outcome."""
+    """New text; the last delta of a generation carries its outcome.
+
+    `logprobs` (when asked for): the tokens received since the previous delta. Tokens
+    whose text is held back wait for the delta that releases it; a stop string keeps
+    the logprobs of every token in its pack (the cut falls inside it).
+    """
 
     text: str
     outcome: Outcome | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[float | None] | None = None  # on the first delta, when asked for
 
 
 async def generate_text(
@@ -55,9 +62,11 @@ async def generate_text(
     matcher = StopMatcher(stops)
     prompt_len = len(fields["prompt_tokens"])
     received = 0
+    pending = _Pending()
     async with aclosing(engine.generate(fields)) as packs:
         async for pack in packs:
             received += len(pack.token_ids)
+            pending.add(pack)
             text = matcher.feed(detokenizer.feed(pack.token_ids))
             if pack.finish is not None:
                 text += matcher.feed(detokenizer.flush())
@@ -65,13 +74,33 @@ async def generate_text(
                     text += matcher.flush()
             if matcher.stopped:
                 # leaving the `async with` cancels the model's request
-                yield Delta(text, Outcome(contract.FINISH_STOP, prompt_len, received))
+                yield pending.delta(text, Outcome(contract.FINISH_STOP, prompt_len, received))
                 return
             if pack.finish is not None:
-                yield Delta(text, _outcome(pack.finish, prompt_len, received))
+                yield pending.delta(text, _outcome(pack.finish, prompt_len, received))
                 return
             if text:
-                yield Delta(text)
+                yield pending.delta(text)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Logprobs received but not yet sent with a delta."""
+
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[float | None] | None = None
+
+    def add(self, pack: TokenPack) -> None:
+        if pack.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + pack.logprobs
+        if pack.prompt_logprobs is not None:
+            self.prompt_logprobs = pack.prompt_logprobs
+
+    def delta(self, text: str, outcome: Outcome | None = None) -> Delta:
+        delta = Delta(text, outcome, self.logprobs, self.prompt_logprobs)
+        self.logprobs = [] if self.logprobs is not None else None
+        self.prompt_logprobs = None
+        return delta
 
 
 def _outcome(finish: Finish, prompt_len: int, received: int) -> Outcome:
@@ -86,12 +115,19 @@ def _outcome(finish: Finish, prompt_len: int, received: int) -> Outcome:
     )
 
 
-async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Outcome]:
-    """The whole text and outcome of a generation (non-streaming requests)."""
+async def collect(deltas: AsyncIterator[Delta]) -> Delta:
+    """The whole generation as one delta: all its text, logprobs and its outcome
+    (non-streaming requests)."""
+    whole = Delta("")
     parts = []
     async with aclosing(deltas):
         async for delta in deltas:
             parts.append(delta.text)
+            if delta.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + delta.logprobs
+            if delta.prompt_logprobs is not None:
+                whole.prompt_logprobs = delta.prompt_logprobs
             if delta.outcome is not None:
-                return "".join(parts), delta.outcome
+                whole.text, whole.outcome = "".join(parts), delta.outcome
+                return whole
     raise EngineError("the generation ended without an outcome")

@@ -193,11 +193,11 @@ class ChatCompletionRequest(GenerationRequest):
     # --- extensions ---
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs are not supported by this server yet")
+    def _top_logprobs_need_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
     def max_new_tokens(self) -> int | None:
@@ -211,6 +211,8 @@ class ChatCompletionRequest(GenerationRequest):
     def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
         fields = super().contract_fields(prompt_tokens, stream)
         fields.update(self._grammar_fields(), **self._tool_fields())
+        if self.logprobs:
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or None)
         thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
         if thinking is not None:
             fields["enable_thinking"] = bool(thinking)
@@ -244,7 +246,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI allows up to 5
     max_tokens: int | None = Field(16, ge=1)
     n: int = 1
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -268,12 +270,20 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("must not be empty")
         return prompt
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
             raise ValueError(f"{info.field_name} is not supported by this server yet")
         return value
+
+    def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
+        fields = super().contract_fields(prompt_tokens, stream)
+        if self.logprobs is not None:
+            fields.update(logprobs=True, top_logprobs=self.logprobs or None)
+            # echo's text is the frontend's; the model only adds the prompt's logprobs
+            fields["echo"] = True if self.echo else None
+        return fields
 
 
 # ---------------------------------------------------------------------------
@@ -299,7 +309,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
@@ -315,7 +325,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 

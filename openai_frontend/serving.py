@@ -8,13 +8,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import OpenAIError, bad_request, model_not_found, server_error
 from openai_frontend.generation import Delta, Outcome, collect, generate_text
+from openai_frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from openai_frontend.metrics import Metrics
 from openai_frontend.protocol import (
     AssistantMessage,
@@ -65,11 +66,19 @@ class Serving:
         prompt = self.tokenization.encode_chat(messages, body.tools, body.chat_template_kwargs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         deltas = self._generate(body, prompt, "chat")
+        token_text = self.tokenization.token_text
+
+        def logprobs(delta: Delta) -> dict[str, Any] | None:
+            return chat_logprobs(delta.logprobs, token_text) if body.logprobs and delta.logprobs is not None else None
+
         if body.stream:
-            fmt = ChatChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage())
+            fmt = ChatChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
             return await self._stream(body, deltas, fmt, request)
-        text, outcome = await self._until_done(body, collect(deltas), request)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=outcome.finish_reason)
+        whole = await self._until_done(body, collect(deltas), request)
+        outcome = whole.outcome
+        choice = ChatChoice(
+            message=AssistantMessage(content=whole.text), logprobs=logprobs(whole), finish_reason=outcome.finish_reason
+        )
         response = ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
         )
@@ -80,11 +89,20 @@ class Serving:
         prompt = self.tokenization.encode_prompt(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         deltas = self._generate(body, prompt, "completions")
+        if body.echo:
+            deltas = _echoed(deltas, self.tokenization.prompt_text(body.prompt), prompt)
+        formatter = CompletionLogprobs(self.tokenization.token_text)
+
+        def logprobs(delta: Delta) -> dict[str, Any] | None:
+            wanted = body.logprobs is not None and delta.logprobs is not None
+            return formatter.format(delta.logprobs) if wanted else None
+
         if body.stream:
-            fmt = CompletionChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage())
+            fmt = CompletionChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
             return await self._stream(body, deltas, fmt, request)
-        text, outcome = await self._until_done(body, collect(deltas), request)
-        choice = CompletionChoice(text=text, finish_reason=outcome.finish_reason)
+        whole = await self._until_done(body, collect(deltas), request)
+        outcome = whole.outcome
+        choice = CompletionChoice(text=whole.text, logprobs=logprobs(whole), finish_reason=outcome.finish_reason)
         response = CompletionResponse(
             id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
         )
@@ -155,6 +173,19 @@ class Serving:
         metrics.prompt_tokens += outcome.prompt_tokens
         metrics.completion_tokens += outcome.completion_tokens
         metrics.cached_prompt_tokens += outcome.cached_tokens
+
+
+async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_ids: list[int]) -> AsyncIterator[Delta]:
+    """Completions `echo`: the prompt's text (and its logprobs, when asked) come first."""
+    first = True
+    async with aclosing(deltas):
+        async for delta in deltas:
+            if first:
+                first = False
+                delta.text = prompt_text + delta.text
+                if delta.prompt_logprobs is not None:
+                    delta.logprobs = prompt_entries(prompt_ids, delta.prompt_logprobs) + (delta.logprobs or [])
+            yield delta
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -25,19 +25,33 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 class ChunkFormat:
-    """The frame every chunk of one response shares; subclasses shape the choice."""
+    """The frame every chunk of one response shares; subclasses shape the choice.
+
+    `logprobs` shapes a delta's logprobs for the choice (None: not asked for).
+    """
 
     object = ""
 
-    def __init__(self, response_id: str, created: int, model: str, include_usage: bool):
+    def __init__(
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        logprobs: Callable[[Delta], dict[str, Any] | None] | None = None,
+    ):
         self._head = {"id": response_id, "object": self.object, "created": created, "model": model}
         self._include_usage = include_usage
+        self._logprobs = logprobs
 
     def opening(self) -> list[str]:
         return []
 
-    def text(self, text: str, finish_reason: str | None) -> str:
-        return self._chunk([self._choice(text, finish_reason)])
+    def text(self, text: str, finish_reason: str | None, delta: Delta | None = None) -> str:
+        choice = self._choice(text, finish_reason)
+        if delta is not None and self._logprobs is not None:
+            choice["logprobs"] = self._logprobs(delta)
+        return self._chunk([choice])
 
     def usage(self, usage: Usage) -> str | None:
         if not self._include_usage:
@@ -87,10 +101,10 @@ async def sse_events(
                 yield line
             delta = first
             while delta.outcome is None:
-                if delta.text:
-                    yield fmt.text(delta.text, None)
+                if delta.text or delta.logprobs:
+                    yield fmt.text(delta.text, None, delta)
                 delta = await anext(rest)
-            yield fmt.text(delta.text, delta.outcome.finish_reason)
+            yield fmt.text(delta.text, delta.outcome.finish_reason, delta)
             usage = fmt.usage(delta.outcome.usage())
             if usage is not None:
                 yield usage

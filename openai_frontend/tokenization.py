@@ -19,6 +19,7 @@ class Tokenization:
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._decode = make_decode(self.tokenizer)
+        self._token_texts: dict[int, str] = {}
         config = _model_config(self.model_path)
         self.max_model_len: int | None = config.get("max_position_embeddings")
         self.vocab_size: int = config.get("vocab_size") or len(self.tokenizer)
@@ -52,6 +53,17 @@ class Tokenization:
             ids = list(prompt)
         self._check_ids(ids)
         return ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs (the decode of its id alone, special tokens kept)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A completions prompt as text (echo)."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._decode, context=prompt_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,10 @@ _FINAL_OUTPUTS = (
     "time_to_first_token_ms",
     "decode_time_ms",
 )
-_REQUESTED_OUTPUTS = [grpcclient.InferRequestedOutput(name) for name in ("token_ids", *_FINAL_OUTPUTS)]
+_LOGPROB_OUTPUTS = ("token_logprobs", "top_logprob_ids", "top_logprob_values", "prompt_logprobs")
+_REQUESTED_OUTPUTS = [
+    grpcclient.InferRequestedOutput(name) for name in ("token_ids", *_LOGPROB_OUTPUTS, *_FINAL_OUTPUTS)
+]
 
 
 class EngineError(Exception):
@@ -54,11 +58,22 @@ class Finish:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A token's logprob and its most likely alternatives (id, logprob), descending."""
+
+    token_id: int
+    logprob: float | None  # None: the first prompt token, which nothing predicts
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class TokenPack:
     """One response: the tokens generated since the previous one; `finish` on the last."""
 
     token_ids: list[int]
     finish: Finish | None = None
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
+    prompt_logprobs: list[float | None] | None = None  # once, with the first token
 
 
 class TritonLLM:
@@ -150,7 +165,24 @@ def _token_pack(result) -> TokenPack:
     token_ids = tokens.tolist() if tokens is not None else []
     params = result.get_response().parameters
     final = "triton_final_response" in params and params["triton_final_response"].bool_param
-    return TokenPack(token_ids, _finish(result) if final else None)
+    return TokenPack(token_ids, _finish(result) if final else None, *_logprobs(result, token_ids))
+
+
+def _logprobs(result, token_ids: list[int]) -> tuple[list[TokenLogprob] | None, list[float | None] | None]:
+    values = result.as_numpy("token_logprobs")
+    logprobs = None
+    if values is not None:
+        ids = result.as_numpy("top_logprob_ids")
+        tops = result.as_numpy("top_logprob_values")
+        logprobs = []
+        for i, (token, value) in enumerate(zip(token_ids, values.reshape(-1).tolist(), strict=False)):
+            top = list(zip(ids[i].tolist(), tops[i].tolist(), strict=True)) if ids is not None else []
+            logprobs.append(TokenLogprob(token, value, top))
+    prompt = result.as_numpy("prompt_logprobs")
+    prompt_logprobs = None
+    if prompt is not None:
+        prompt_logprobs = [None if math.isnan(v) else v for v in prompt.reshape(-1).tolist()]
+    return logprobs, prompt_logprobs
 
 
 def _finish(result) -> Finish:

@@ -22,7 +22,7 @@ from openai_frontend.detokenizer import IncrementalDetokenizer, make_decode
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.stop import StopMatcher
 from openai_frontend.tokenization import Tokenization
-from openai_frontend.triton_client import EngineError, Finish, TokenPack, engine_error
+from openai_frontend.triton_client import EngineError, Finish, TokenLogprob, TokenPack, engine_error
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -249,7 +249,8 @@ def test_chat_features_map_to_their_inputs_and_back():
         ({"n": 2}, "n"),
         ({"top_p": 0}, "top_p"),
         ({"messages": []}, "messages"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
         ({"presence_penalty": 3}, "presence_penalty"),
@@ -272,7 +273,7 @@ def test_completion_prompt_forms():
     assert CompletionRequest(prompt=["hi"]).prompt == "hi"
     assert CompletionRequest(prompt=[1, 2]).prompt == [1, 2]
     assert CompletionRequest(prompt=[[1, 2]]).prompt == [1, 2]
-    for bad in (["a", "b"], "", [], {"echo": True}):
+    for bad in (["a", "b"], "", [], {"suffix": "x"}, {"logprobs": 21}):
         kwargs = bad if isinstance(bad, dict) else {}
         with pytest.raises(ValueError):
             CompletionRequest(**{"prompt": "x" if kwargs else bad, **kwargs})
@@ -311,7 +312,7 @@ class FakeEngine:
                 last = i + size >= len(ids)
                 finish = Finish(self.reason, prompt_tokens=len(fields["prompt_tokens"]), completion_tokens=len(ids))
                 finished = last
-                yield TokenPack(ids[i : i + size], finish if last else None)
+                yield TokenPack(ids[i : i + size], finish if last else None, *_fake_logprobs(fields, ids, i, size))
         finally:
             if not finished:
                 self.cancelled += 1
@@ -430,3 +431,41 @@ def test_models_and_metrics(app, tokenization):
     assert models_response.json()["data"][0]["id"] == "smol"
     assert "llm_frontend_completion_tokens_total" in metrics_response.text
     assert health.status_code == 200
+
+
+def _fake_logprobs(fields, ids, i, size):
+    """Made-up logprobs (token t: -t / 1000) for the fields that ask for them."""
+    logprobs = prompt = None
+    if fields.get("logprobs"):
+        k = fields.get("top_logprobs") or 0
+        logprobs = [TokenLogprob(t, -t / 1000, [(t + j, -(t + j) / 1000) for j in range(k)]) for t in ids[i : i + size]]
+    if fields.get("echo") and i == 0:
+        prompt = [None] + [-t / 1000 for t in fields["prompt_tokens"][1:]]
+    return logprobs, prompt
+
+
+def test_chat_logprobs_map_to_the_openai_shape(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "Paris is nice."), reason="stop")
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    data = asyncio.run(_post(app, engine, "/v1/chat/completions", body)).json()
+    content = data["choices"][0]["logprobs"]["content"]
+    assert engine.requests[0]["logprobs"] is True and engine.requests[0]["top_logprobs"] == 2
+    assert len(content) == len(engine.token_ids)  # the fake sends EOS too
+    first = engine.token_ids[0]
+    token = tokenization.token_text(first)
+    assert content[0]["token"] == token and content[0]["bytes"] == list(token.encode())
+    assert content[0]["logprob"] == -first / 1000 and len(content[0]["top_logprobs"]) == 2
+
+
+def test_completions_echo_streams_the_prompt_and_its_logprobs_first(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "one two three"), pack_size=1)
+    body = {"prompt": "count:", "echo": True, "logprobs": 1, "stream": True}
+    chunks = _sse_payloads(asyncio.run(_post(app, engine, "/v1/completions", body)).text)
+    assert chunks[0]["choices"][0]["text"].startswith("count:")
+    assert engine.requests[0]["echo"] is True
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    values = [v for lp in logprobs for v in lp["token_logprobs"]]
+    offsets = [o for lp in logprobs for o in lp["text_offset"]]
+    prompt_len = len(engine.requests[0]["prompt_tokens"])
+    assert values[0] is None and len(values) == prompt_len + len(engine.token_ids)
+    assert offsets == sorted(offsets) and logprobs[0]["top_logprobs"][0] is None

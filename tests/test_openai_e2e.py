@@ -243,8 +243,9 @@ def test_disconnect_before_a_non_streaming_reply_cancels_the_request(stack, clie
     [
         ({"temperature": -1}, openai.BadRequestError, "temperature"),
         ({"n": 2}, openai.BadRequestError, "n"),
-        ({"extra_body": {"dry_multiplier": 0.5}}, openai.BadRequestError, "dry_multiplier"),
-        ({"extra_body": {"dry_multiplier": 0.5}, "stream": True}, openai.BadRequestError, "dry_multiplier"),
+        ({"extra_body": {"loop_min_count": 3}}, openai.BadRequestError, "loop_min_count"),  # not built yet
+        ({"extra_body": {"loop_min_count": 3}, "stream": True}, openai.BadRequestError, "loop_min_count"),
+        ({"extra_body": {"dry_multiplier": -1}}, openai.BadRequestError, "dry_multiplier"),
         ({"presence_penalty": 3}, openai.BadRequestError, "presence_penalty"),
         ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias"),
         ({"logit_bias": {"99999999": 5}}, openai.BadRequestError, "logit_bias"),  # outside the vocabulary
@@ -276,3 +277,73 @@ def test_repeated_prompt_reports_prefix_cache_hits(client, model):
     # every full block of the prompt but the one holding its last token is a hit
     block = int(os.environ.get("BLOCK_SIZE") or 16)  # the server inherits the tests' environment
     assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
+
+
+# ---------------------------------------------------------------------------
+# logprobs
+
+
+def _assert_chat_logprobs_well_formed(content, k):
+    assert content
+    for item in content:
+        assert item["logprob"] <= 0 and item["bytes"] == list(item["token"].encode())
+        alternatives = [alt["logprob"] for alt in item["top_logprobs"]]
+        assert len(alternatives) == k and alternatives == sorted(alternatives, reverse=True)
+        assert item["logprob"] <= alternatives[0] + 1e-6
+
+
+def test_chat_logprobs_stream_and_non_stream_agree(client, model):
+    kwargs = {"max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    reply = _chat(client, model, **kwargs)
+    content = [item.model_dump() for item in reply.choices[0].logprobs.content]
+    _assert_chat_logprobs_well_formed(content, 3)
+    assert "".join(item["token"] for item in content) == reply.choices[0].message.content
+    streamed = []
+    for chunk in _chat(client, model, stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += [item.model_dump() for item in chunk.choices[0].logprobs.content]
+    assert [i["token"] for i in streamed] == [i["token"] for i in content]
+    for a, b in zip(streamed, content, strict=True):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-4
+
+
+def test_chat_logprobs_without_alternatives(client, model):
+    reply = _chat(client, model, max_tokens=4, temperature=0, logprobs=True, top_logprobs=0)
+    content = reply.choices[0].logprobs.content
+    assert len(content) in (reply.usage.completion_tokens, reply.usage.completion_tokens - 1)  # EOS: not emitted
+    assert all(i.top_logprobs == [] for i in content)
+    assert _chat(client, model, max_tokens=2, temperature=0).choices[0].logprobs is None
+
+
+def test_completions_echo_with_logprobs(client, model):
+    reply = client.completions.create(model=model, prompt=STORY, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    choice = reply.choices[0]
+    assert choice.text.startswith(STORY) and len(choice.text) > len(STORY)
+    lp = choice.logprobs
+    n = reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[reply.usage.prompt_tokens :])
+    assert lp.text_offset == sorted(lp.text_offset)
+    # the prompt was just computed: a cached prompt still gets every position's logprob
+    again = client.completions.create(model=model, prompt=STORY, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def test_completions_echo_without_logprobs(client, model):
+    reply = client.completions.create(model=model, prompt=STORY, max_tokens=3, temperature=0, echo=True)
+    assert reply.choices[0].text.startswith(STORY) and reply.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_logprobs_are_refused_naming_the_field(client, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, model, max_tokens=2, **kwargs)
+    assert info.value.body["param"] == param

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from backend.contract import ContractError
+from backend.repeats import DRY_WINDOW, LZ_WINDOW, MAX_REPEAT, longest_repeats
 from backend.request import SamplingParams
 from backend.sampler import (
     SamplingRow,
     apply_logit_bias,
     apply_penalties,
+    apply_repeat_penalties,
     filtered_probs,
     sample,
     seed_for_token,
@@ -94,7 +96,7 @@ def test_filtered_probs_match_the_reference(temperature, top_k, top_p, min_p, to
         torch.tensor([min_p] * 4),
         torch.tensor([top_n_sigma] * 4),
     )
-    unsorted = torch.zeros_like(probs).scatter_(1, order, probs)
+    unsorted = torch.zeros(len(probs), logits.shape[1]).scatter_(1, order, probs)
     for r in range(4):
         expected = reference_probs(logits[r].tolist(), temperature, top_k, top_p, min_p, top_n_sigma)
         assert unsorted[r].tolist() == pytest.approx(expected, abs=1e-6)
@@ -110,7 +112,7 @@ def test_thresholds_keep_ties_and_ignore_masked_tokens():
         torch.tensor([1.0, 0.0, 0.0]),
         torch.tensor([0.0, 2.0, 0.1]),
     )
-    unsorted = torch.zeros_like(probs).scatter_(1, order, probs)
+    unsorted = torch.zeros(len(probs), logits.shape[1]).scatter_(1, order, probs)
     assert unsorted[0].tolist() == pytest.approx([0.5, 0.5, 0.0, 0.0])  # min_p 1 keeps both tied tops
     assert unsorted[1].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])  # std 0: every finite tie stays
     assert unsorted[2].tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # std over the finite logits only
@@ -121,7 +123,7 @@ def test_thresholds_keep_ties_and_ignore_masked_tokens():
 
 def test_top_k_with_ties_keeps_k_of_them():
     probs, order = filtered_probs(torch.zeros(1, 5), torch.tensor([2]), torch.tensor([1.0]))
-    unsorted = torch.zeros_like(probs).scatter_(1, order, probs)
+    unsorted = torch.zeros(len(probs), 5).scatter_(1, order, probs)
     assert sorted(unsorted[0].tolist()) == pytest.approx([0, 0, 0, 0.5, 0.5])
 
 
@@ -152,9 +154,9 @@ def test_token_counts_split_prompt_and_output():
         history_row(SamplingParams(), [], []),
         history_row(SamplingParams(), [4], []),
     ]
-    all_counts, output_counts = token_counts(rows, 6, "cpu")
-    assert all_counts.tolist() == [[0, 1, 3, 3, 0, 0], [0] * 6, [0, 0, 0, 0, 1, 0]]
-    assert output_counts.tolist() == [[0, 0, 1, 3, 0, 0], [0] * 6, [0] * 6]
+    row_of, ids, all_counts, output_counts = token_counts(rows, 6, "cpu")
+    entries = list(zip(row_of.tolist(), ids.tolist(), all_counts.tolist(), output_counts.tolist(), strict=True))
+    assert entries == [(0, 1, 1, 0), (0, 2, 3, 1), (0, 3, 3, 3), (2, 4, 1, 0)]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -274,7 +276,7 @@ def test_rows_with_different_settings_are_filtered_independently():
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
     top_k, top_p = torch.tensor([0, 4, 2]), torch.tensor([0.5, 1.0, 0.9])
     probs, order = filtered_probs(logits, top_k, top_p)
-    unsorted = torch.zeros_like(probs).scatter_(1, order, probs)
+    unsorted = torch.zeros(len(probs), logits.shape[1]).scatter_(1, order, probs)
     for r in range(3):
         expected = reference_probs(logits[r].tolist(), 1.0, int(top_k[r]), float(top_p[r]))
         assert unsorted[r].tolist() == pytest.approx(expected, abs=1e-6)
@@ -333,3 +335,222 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     tokens = sample(logits.clone(), rows)
     assert tokens[0] not in banned
     assert tokens[1] == 3
+
+
+# ---------------------------------------------------------------------------
+# DRY and LZ: repeat lengths against brute force
+
+
+def reference_repeat_lengths(context, window, max_len, breakers=()):
+    """Plain Python: for every candidate c, the largest L <= max_len such that the last L
+    tokens of the window, breaker-free, followed by c occur somewhere in the window."""
+    ctx = list(context[-window:])
+    n = len(ctx)
+    best = {}
+    for length in range(1, min(max_len, n - 1) + 1):
+        suffix = ctx[n - length :]
+        if any(t in breakers for t in suffix):
+            break
+        for j in range(length, n):  # c = ctx[j], preceded by ctx[j - length : j]
+            if ctx[j - length : j] == suffix:
+                best[ctx[j]] = max(best.get(ctx[j], 0), length)
+    return best
+
+
+def reference_dry(logits, context, multiplier, base, allowed, breakers=()):
+    out = list(logits)
+    for c, length in reference_repeat_lengths(context, DRY_WINDOW, MAX_REPEAT, breakers).items():
+        if length >= allowed:
+            out[c] -= multiplier * base ** (length - allowed)
+    return out
+
+
+def reference_lz(logits, context, penalty):
+    out = list(logits)
+    for c, length in reference_repeat_lengths(context, LZ_WINDOW, MAX_REPEAT).items():
+        out[c] -= penalty * length
+    return out
+
+
+def _as_dict(found):
+    ids, lengths = found
+    return dict(zip(ids.tolist(), lengths.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_repeat_lengths_match_brute_force(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5])  # small vocabularies repeat a lot
+    context = [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 2, 6, 20, 60]))]
+    if seed % 3 == 0:  # a planted loop: long matches
+        context = (context[:5] * 12)[: rng.randrange(10, 60)]
+    window, max_len = rng.choice([(256, 64), (15, 64), (256, 4)])
+    breakers = rng.choice([(), (0,), (1, 2)])
+    expected = reference_repeat_lengths(context, window, max_len, breakers)
+    assert _as_dict(longest_repeats(context, window, max_len, breakers)) == expected
+
+
+@pytest.mark.parametrize(
+    ("context", "breakers", "expected"),
+    [
+        ([], (), {}),
+        ([7], (), {}),
+        ([1, 2, 3, 4], (), {}),  # no repeats
+        ([5, 5], (), {5: 1}),  # the match may overlap the suffix
+        ([1, 2, 3, 1, 2, 3, 1, 2], (), {3: 5}),
+        ([1, 2, 3, 1, 2, 3, 1, 2], (3,), {3: 2}),  # the suffix stops after the last breaker
+        ([1, 2, 9, 1, 2], (9,), {9: 2}),  # a breaker may be the candidate
+        ([1, 2, 3, 1, 2, 9], (9,), {}),  # the context ends on a breaker
+    ],
+)
+def test_repeat_length_edge_cases(context, breakers, expected):
+    assert _as_dict(longest_repeats(context, 256, 64, breakers)) == expected
+
+
+def _penalty_rows(rng, vocab, settings):
+    rows = []
+    for kw in settings:
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([0, 3, 12]))]
+        output = [rng.randrange(vocab) for _ in range(rng.choice([0, 5, 30]))]
+        if rng.random() < 0.5:
+            output = (prompt + output)[:4] * 6  # loop
+        rows.append(history_row(SamplingParams(**kw), prompt, output))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dry_and_lz_match_the_reference(seed):
+    rng = random.Random(seed)
+    vocab = 6
+    settings = [
+        dict(dry_multiplier=0.8),
+        dict(dry_multiplier=1.5, dry_base=2.0, dry_allowed_length=1),
+        dict(dry_multiplier=0.5, dry_allowed_length=100),  # longer than any match: no effect
+        dict(dry_multiplier=0.8, dry_sequence_breakers=(0, 3)),
+        dict(lz_penalty=1.0),
+        dict(lz_penalty=0.3),
+        dict(dry_multiplier=0.8, lz_penalty=0.5, repetition_penalty=1.2),
+        dict(),
+    ]
+    rows = _penalty_rows(rng, vocab, settings)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    out = logits.clone()
+    apply_penalties(out, rows)
+    counted = out.clone()
+    apply_repeat_penalties(out, rows)
+    for r, sampling_row in enumerate(rows):
+        p, context = sampling_row.params, list(sampling_row.token_ids)
+        expected = counted[r].tolist()
+        if p.dry_multiplier > 0:
+            expected = reference_dry(
+                expected, context, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_sequence_breakers
+            )
+        if p.lz_penalty > 0:
+            expected = reference_lz(expected, context, p.lz_penalty)
+        assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-4)
+    assert out[2].tolist() == counted[2].tolist()  # allowed_length 100
+    assert out[7].tolist() == logits[7].tolist()  # off
+
+
+def test_dry_and_lz_worked_examples():
+    # the examples of docs/sampling.md
+    context = [1, 2, 3, 1, 2, 3, 1, 2]
+    logits = torch.zeros(1, 5)
+    apply_repeat_penalties(logits, [history_row(SamplingParams(lz_penalty=0.5), context, [])])
+    assert logits.tolist() == [[0.0, 0.0, 0.0, -2.5, 0.0]]  # 3 extends a repeat of length 5
+    context = [4, 1, 2, 3, 4, 1, 2]
+    logits = torch.zeros(1, 5)
+    apply_repeat_penalties(logits, [history_row(SamplingParams(dry_multiplier=0.8), context, [])])
+    assert logits[0].tolist() == pytest.approx([0.0, 0.0, 0.0, -0.8 * 1.75, 0.0])  # L = 3, allowed 2
+    logits = torch.zeros(1, 5)
+    breaker = SamplingParams(dry_multiplier=0.8, dry_sequence_breakers=(4,))
+    apply_repeat_penalties(logits, [history_row(breaker, context, [])])
+    assert logits[0].tolist() == pytest.approx([0.0, 0.0, 0.0, -0.8, 0.0])  # L = 2: the suffix starts after the 4
+
+
+def test_dry_stops_a_greedy_loop():
+    context = [1, 2, 3, 1, 2, 3, 1, 2]
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.0]])  # 3 would continue the loop
+    assert sample(logits.clone(), [history_row(SamplingParams(temperature=0.0), context, [])]) == [3]
+    dry = SamplingParams(temperature=0.0, dry_multiplier=0.8)
+    assert sample(logits.clone(), [history_row(dry, context, [])]) == [4]
+
+
+def test_a_batch_mixing_repeat_penalties_and_plain_rows_equals_each_row_alone():
+    vocab = 50
+    rng = random.Random(11)
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, dry_multiplier=0.8),
+        dict(temperature=0.9, seed=3, lz_penalty=1.0),
+        dict(temperature=0.9, seed=3),
+        dict(temperature=1.1, seed=4, dry_multiplier=1.0, dry_base=1.2, lz_penalty=0.2, top_k=10),
+        dict(temperature=0.0, lz_penalty=2.0, presence_penalty=0.5),
+    ]
+    rows = _penalty_rows(rng, vocab, settings)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(11)) * 2
+    together = sample(logits.clone(), rows)
+    assert together == [sample(logits[r : r + 1].clone(), [rows[r]])[0] for r in range(len(rows))]
+
+
+def test_rows_without_repeat_penalties_are_untouched():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(12))
+    out = logits.clone()
+    apply_repeat_penalties(out, [history_row(SamplingParams(), [1, 2, 1, 2], [1, 2]), row()])
+    assert torch.equal(out, logits)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"dry_multiplier": -0.1}, "dry_multiplier"),
+        ({"dry_base": 0.9}, "dry_base"),
+        ({"dry_allowed_length": 0}, "dry_allowed_length"),
+        ({"lz_penalty": -1.0}, "lz_penalty"),
+        ({"lz_penalty": float("nan")}, "lz_penalty"),
+    ],
+)
+def test_repeat_penalty_validation_names_the_field(kwargs, field):
+    with pytest.raises(ContractError) as info:
+        SamplingParams(**kwargs).validate()
+    assert info.value.field == field
+
+
+def test_repeat_penalties_need_the_token_history():
+    assert SamplingParams(dry_multiplier=0.5).uses_penalties
+    assert SamplingParams(lz_penalty=0.5).uses_penalties
+    assert not SamplingParams(dry_base=3.0, dry_allowed_length=5).uses_penalties
+    SamplingParams(dry_multiplier=0.0, dry_base=1.0, dry_allowed_length=1, lz_penalty=0.0).validate()
+
+
+def test_sampling_from_fields_maps_the_repeat_penalties():
+    from backend.contract import decode_request, encode_request
+    from backend.request import sampling_from_fields
+
+    fields = {"prompt_tokens": [1], "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "lz_penalty": 0.5}
+    params = sampling_from_fields(decode_request(encode_request(fields)))
+    assert (params.dry_multiplier, params.dry_base, params.dry_allowed_length) == pytest.approx((0.8, 2.0, 3))
+    assert params.lz_penalty == 0.5
+
+
+def test_a_top_k_row_draws_the_same_with_or_without_a_full_sort_in_its_batch():
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(13))
+    mine = SamplingRow(SamplingParams(seed=9, top_k=20, top_p=0.9, min_p=0.01, top_n_sigma=2.0), 3, ())
+    other = SamplingRow(SamplingParams(seed=1, top_p=0.8), 0, ())  # top_k off: the batch sorts everything
+    for index in range(5):
+        mine.num_output_tokens = index
+        alone = sample(logits[:1].clone(), [mine])  # top_k everywhere: a partial sort
+        assert sample(logits.clone(), [mine, other])[0] == alone[0]
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=4, top_p=0.95)])
+def test_seeded_draws_follow_the_distribution(filters):
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20000
+    rows = [SamplingRow(SamplingParams(temperature=0.8, seed=s, **filters), s % 7, ()) for s in range(n)]
+    tokens = sample(logits.repeat(n, 1), rows)
+    expected = reference_probs(logits[0].tolist(), 0.8, filters.get("top_k", 0), filters.get("top_p", 1.0))
+    for tok, p in enumerate(expected):
+        freq = tokens.count(tok) / n
+        sigma = math.sqrt(p * (1 - p) / n) + 1e-9
+        assert abs(freq - p) < 5 * sigma + 1e-4, (tok, freq, p)

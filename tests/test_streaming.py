@@ -104,6 +104,21 @@ def test_output_after_final_is_ignored():
     assert co.take(0) == [Packet("a", [1], final)]
 
 
+def test_logprobs_stay_aligned_with_their_tokens_when_packed():
+    co = StreamCoalescer()
+    co.open("a", stream=True)
+    co.push(
+        [RequestOutput("a", [1], logprobs=[-0.1], top_logprobs=[([1, 2], [-0.1, -2.0])], prompt_logprobs=[None, -3.0])]
+    )
+    co.push([RequestOutput("a", [5], logprobs=[-0.5], top_logprobs=[([5, 6], [-0.5, -1.0])])])
+    packet = co.take(0)[0]
+    assert packet.token_ids == [1, 5] and packet.logprobs == [-0.1, -0.5]
+    assert packet.top_logprobs == [([1, 2], [-0.1, -2.0]), ([5, 6], [-0.5, -1.0])]
+    assert packet.prompt_logprobs == [None, -3.0]
+    co.push([RequestOutput("a", [7], logprobs=[-0.7], top_logprobs=[([7, 8], [-0.7, -0.9])])])
+    assert co.take(0) == [Packet("a", [7], logprobs=[-0.7], top_logprobs=[([7, 8], [-0.7, -0.9])])]
+
+
 def test_open_twice_is_refused():
     co = StreamCoalescer()
     co.open("a", stream=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -204,9 +205,26 @@ def _tensor(name: str, values: list) -> pb_utils.Tensor:
 
 def _data_response(packet: Packet) -> pb_utils.InferenceResponse:
     tensors = [_tensor("token_ids", packet.token_ids)]
+    tensors += _logprob_tensors(packet)
     if packet.final is not None:
         tensors += _final_tensors(packet.final)
     return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _logprob_tensors(packet: Packet) -> list[pb_utils.Tensor]:
+    """token_logprobs [n], top_logprob_ids/values [n, k] (k > 0) and prompt_logprobs
+    (NaN for the first token), each only when the request asked for it."""
+    tensors = []
+    if packet.logprobs is not None:
+        tensors.append(_tensor("token_logprobs", packet.logprobs))
+        top = packet.top_logprobs or []
+        if top and top[0][0]:
+            tensors.append(_tensor("top_logprob_ids", [ids for ids, _ in top]))
+            tensors.append(_tensor("top_logprob_values", [values for _, values in top]))
+    if packet.prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in packet.prompt_logprobs]
+        tensors.append(_tensor("prompt_logprobs", values))
+    return tensors
 
 
 def _final_tensors(final: FinalStats) -> list[pb_utils.Tensor]:

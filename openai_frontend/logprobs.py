@@ -1,0 +1,58 @@
+"""Logprobs in OpenAI's shapes: chat `choices[].logprobs.content` and the legacy
+completions `choices[].logprobs` (tokens, token_logprobs, top_logprobs, text_offset).
+
+A token's text is the decode of its single id (as vLLM shows it); `bytes` are its
+UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from openai_frontend.triton_client import TokenLogprob
+
+TokenText = Callable[[int], str]
+
+
+def prompt_entries(prompt_ids: list[int], logprobs: list[float | None]) -> list[TokenLogprob]:
+    """Echoed prompt tokens as logprob entries (the first has None: nothing predicts it)."""
+    return [TokenLogprob(t, lp, [] if lp is None else [(t, lp)]) for t, lp in zip(prompt_ids, logprobs, strict=False)]
+
+
+def _chat_item(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    content = []
+    for entry in entries:
+        item = _chat_item(token_text(entry.token_id), entry.logprob)
+        item["top_logprobs"] = [_chat_item(token_text(t), lp) for t, lp in entry.top]
+        content.append(item)
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """Formats one completion's logprobs, a delta at a time; text offsets run on."""
+
+    def __init__(self, token_text: TokenText):
+        self._token_text = token_text
+        self._offset = 0
+
+    def format(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for entry in entries:
+            text = self._token_text(entry.token_id)
+            tokens.append(text)
+            values.append(entry.logprob)
+            offsets.append(self._offset)
+            self._offset += len(text)
+            if entry.logprob is None:
+                tops.append(None)
+                continue
+            # as vLLM: the alternatives and the chosen token
+            top = {self._token_text(t): lp for t, lp in entry.top}
+            top.setdefault(text, entry.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
