@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -131,3 +132,70 @@ async def collect(deltas: AsyncIterator[Delta]) -> Delta:
                 whole.text, whole.outcome = "".join(parts), delta.outcome
                 return whole
     raise EngineError("the generation ended without an outcome")
+
+
+def total_usage(outcomes: list[Outcome]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counts once, completions add up.
+
+    cached_tokens is choice 0's: the prompt is reported once, and the other choices'
+    hits are mostly on blocks this same request computed moments before.
+    """
+    first = outcomes[0]
+    completion = sum(o.completion_tokens for o in outcomes)
+    return Outcome(first.finish_reason, first.prompt_tokens, completion, first.cached_tokens).usage()
+
+
+async def collect_all(streams: list[AsyncIterator[Delta]]) -> list[Delta]:
+    """Each choice collected, concurrently; one failing cancels the others."""
+    tasks = [asyncio.ensure_future(collect(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def interleave(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The choices' deltas as they come, tagged with their index, until all have ended.
+
+    A choice's error is raised here; closing the iterator (or an error) cancels every
+    choice, and so its model request.
+    """
+    queue: asyncio.Queue[tuple[int, Delta | Exception | None]] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(i, stream, queue)) for i, stream in enumerate(streams)]
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(index: int, stream: AsyncIterator[Delta], queue: asyncio.Queue) -> None:
+    try:
+        async with aclosing(stream):
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+        queue.put_nowait((index, None))
+    except Exception as exc:  # noqa: BLE001 - handed to the reader of the queue
+        queue.put_nowait((index, exc))
+
+
+async def heads(deltas: AsyncIterator[tuple[int, Delta]], n: int) -> list[tuple[int, Delta]]:
+    """Deltas until each of the n choices has sent one (a refusal comes before any)."""
+    received: list[tuple[int, Delta]] = []
+    seen: set[int] = set()
+    while len(seen) < n:
+        index, delta = await anext(deltas)
+        received.append((index, delta))
+        seen.add(index)
+    return received

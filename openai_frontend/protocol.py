@@ -19,6 +19,8 @@ from backend import contract
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 8  # `n`: each choice is its own model request (the prefix cache shares the prompt)
+
 # Contract inputs a client may not set directly: the frontend derives them.
 _PRIVATE_INPUTS = frozenset({"prompt_tokens", "stream", "lookup_tenant"})
 # OpenAI fields that carry no meaning for generation here; ignored without a warning.
@@ -61,13 +63,6 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     # Any other contract input not derived by the frontend (num_beams, dry_multiplier,
     # thinking_budget, ...) may be sent by its contract name and is forwarded as is.
-
-    @field_validator("n", check_fields=False)
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("logit_bias", check_fields=False)
     @classmethod
@@ -117,6 +112,12 @@ class GenerationRequest(BaseModel):
             stream=stream,
         )
         return fields
+
+    def choice_fields(self, fields: dict[str, Any], index: int) -> dict[str, Any]:
+        """Choice `index`'s fields: with a seed, seed + index (distinct yet reproducible)."""
+        if self.seed is None:
+            return dict(fields)
+        return {**fields, "seed": self.seed + index}
 
     def param_of(self, input_name: str) -> str:
         """The request field behind a contract input, to name it in an error."""
@@ -176,7 +177,7 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     response_format: ResponseFormat | None = None
     seed: int | None = None
@@ -248,7 +249,7 @@ class CompletionRequest(GenerationRequest):
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI allows up to 5
     max_tokens: int | None = Field(16, ge=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = None
     stop: str | list[str] | None = None

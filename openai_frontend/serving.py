@@ -14,7 +14,15 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import OpenAIError, bad_request, model_not_found, server_error
-from openai_frontend.generation import Delta, Outcome, collect, generate_text
+from openai_frontend.generation import (
+    Delta,
+    Outcome,
+    collect_all,
+    generate_text,
+    heads,
+    interleave,
+    total_usage,
+)
 from openai_frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from openai_frontend.metrics import Metrics
 from openai_frontend.protocol import (
@@ -65,22 +73,28 @@ class Serving:
         messages = [m.template_dict() for m in body.messages]
         prompt = self.tokenization.encode_chat(messages, body.tools, body.chat_template_kwargs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        deltas = self._generate(body, prompt, "chat")
+        streams = self._generate(body, prompt, "chat")
         token_text = self.tokenization.token_text
 
-        def logprobs(delta: Delta) -> dict[str, Any] | None:
+        def logprobs(_: int, delta: Delta) -> dict[str, Any] | None:
             return chat_logprobs(delta.logprobs, token_text) if body.logprobs and delta.logprobs is not None else None
 
         if body.stream:
             fmt = ChatChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
-            return await self._stream(body, deltas, fmt, request)
-        whole = await self._until_done(body, collect(deltas), request)
-        outcome = whole.outcome
-        choice = ChatChoice(
-            message=AssistantMessage(content=whole.text), logprobs=logprobs(whole), finish_reason=outcome.finish_reason
-        )
+            return await self._stream(body, streams, fmt, request)
+        wholes = await self._until_done(body, collect_all(streams), request)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=whole.text),
+                logprobs=logprobs(i, whole),
+                finish_reason=whole.outcome.finish_reason,
+            )
+            for i, whole in enumerate(wholes)
+        ]
+        usage = total_usage([whole.outcome for whole in wholes])
         response = ChatCompletionResponse(
-            id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
+            id=response_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage
         )
         return _json(response)
 
@@ -88,47 +102,59 @@ class Serving:
         self.check_model(body.model)
         prompt = self.tokenization.encode_prompt(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        deltas = self._generate(body, prompt, "completions")
+        streams = self._generate(body, prompt, "completions")
         if body.echo:
-            deltas = _echoed(deltas, self.tokenization.prompt_text(body.prompt), prompt)
-        formatter = CompletionLogprobs(self.tokenization.token_text)
+            prompt_text = self.tokenization.prompt_text(body.prompt)
+            streams = [_echoed(stream, prompt_text, prompt) for stream in streams]
+        # one per choice: text offsets run on within a choice
+        formatters = [CompletionLogprobs(self.tokenization.token_text) for _ in streams]
 
-        def logprobs(delta: Delta) -> dict[str, Any] | None:
+        def logprobs(index: int, delta: Delta) -> dict[str, Any] | None:
             wanted = body.logprobs is not None and delta.logprobs is not None
-            return formatter.format(delta.logprobs) if wanted else None
+            return formatters[index].format(delta.logprobs) if wanted else None
 
         if body.stream:
             fmt = CompletionChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
-            return await self._stream(body, deltas, fmt, request)
-        whole = await self._until_done(body, collect(deltas), request)
-        outcome = whole.outcome
-        choice = CompletionChoice(text=whole.text, logprobs=logprobs(whole), finish_reason=outcome.finish_reason)
+            return await self._stream(body, streams, fmt, request)
+        wholes = await self._until_done(body, collect_all(streams), request)
+        choices = [
+            CompletionChoice(index=i, text=w.text, logprobs=logprobs(i, w), finish_reason=w.outcome.finish_reason)
+            for i, w in enumerate(wholes)
+        ]
+        usage = total_usage([w.outcome for w in wholes])
         response = CompletionResponse(
-            id=response_id, created=int(time.time()), model=self.model_name, choices=[choice], usage=outcome.usage()
+            id=response_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage
         )
         return _json(response)
 
-    def _generate(self, body: GenerationRequest, prompt: list[int], endpoint: str) -> AsyncIterator[Delta]:
+    def _generate(self, body: GenerationRequest, prompt: list[int], endpoint: str) -> list[AsyncIterator[Delta]]:
+        """One delta stream per choice: n model requests for the same prompt tokens (the
+        model's prefix cache shares the prompt's KV blocks between them)."""
         self.metrics.requests[endpoint] += 1
         stops = body.stop_strings()
         # Stop strings are matched here, so the model streams to let us cancel it early.
         fields = body.contract_fields(prompt, stream=body.stream or bool(stops))
-        detokenizer = self.tokenization.detokenizer(prompt)
-        return self._observed(generate_text(self.engine, fields, detokenizer, stops))
+        streams = []
+        for index in range(body.n):
+            detokenizer = self.tokenization.detokenizer(prompt)
+            text = generate_text(self.engine, body.choice_fields(fields, index), detokenizer, stops)
+            streams.append(self._observed(text))
+        return streams
 
     async def _stream(
-        self, body: GenerationRequest, deltas: AsyncIterator[Delta], fmt: ChunkFormat, request: Request
+        self, body: GenerationRequest, streams: list[AsyncIterator[Delta]], fmt: ChunkFormat, request: Request
     ) -> Response:
-        # The first delta comes before the response begins: a refused request still
-        # gets its HTTP status.
-        first = await self._until_done(body, anext(deltas), request)
+        # Every choice's first delta comes before the response begins: a refused request
+        # still gets its HTTP status.
+        deltas = interleave(streams)
+        first = await self._until_done(body, heads(deltas, len(streams)), request)
 
         def to_error(exc: Exception) -> OpenAIError:
             error = self._error(body, exc)
             self.metrics.errors[error.status] += 1
             return error
 
-        events = sse_events(first, deltas, fmt, to_error)
+        events = sse_events(first, deltas, len(streams), fmt, to_error)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _until_done(self, body: GenerationRequest, work: Awaitable[T], request: Request) -> T:

@@ -4,6 +4,10 @@
 deltas, a chunk with the finish_reason, then, when stream_options.include_usage is
 set, a chunk with no choices and the usage, and `data: [DONE]`. An error after the
 stream has begun is sent as `data: {"error": ...}` before `[DONE]`.
+
+With n choices, each chunk carries one choice and its `index`: (chat) a role chunk
+per index first, then the choices' chunks interleaved as they come, each ending with
+its own finish_reason chunk; the usage chunk follows once all have ended.
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from openai_frontend.errors import OpenAIError
-from openai_frontend.generation import Delta
+from openai_frontend.generation import Delta, Outcome, total_usage
 from openai_frontend.protocol import Usage
+from openai_frontend.triton_client import EngineError
+
+T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 
@@ -27,7 +34,8 @@ def _event(payload: dict[str, Any]) -> str:
 class ChunkFormat:
     """The frame every chunk of one response shares; subclasses shape the choice.
 
-    `logprobs` shapes a delta's logprobs for the choice (None: not asked for).
+    `logprobs(index, delta)` shapes a delta's logprobs for choice `index` (None: not
+    asked for).
     """
 
     object = ""
@@ -38,19 +46,19 @@ class ChunkFormat:
         created: int,
         model: str,
         include_usage: bool,
-        logprobs: Callable[[Delta], dict[str, Any] | None] | None = None,
+        logprobs: Callable[[int, Delta], dict[str, Any] | None] | None = None,
     ):
         self._head = {"id": response_id, "object": self.object, "created": created, "model": model}
         self._include_usage = include_usage
         self._logprobs = logprobs
 
-    def opening(self) -> list[str]:
+    def opening(self, n: int = 1) -> list[str]:
         return []
 
-    def text(self, text: str, finish_reason: str | None, delta: Delta | None = None) -> str:
-        choice = self._choice(text, finish_reason)
+    def text(self, index: int, text: str, finish_reason: str | None, delta: Delta | None = None) -> str:
+        choice = self._choice(index, text, finish_reason)
         if delta is not None and self._logprobs is not None:
-            choice["logprobs"] = self._logprobs(delta)
+            choice["logprobs"] = self._logprobs(index, delta)
         return self._chunk([choice])
 
     def usage(self, usage: Usage) -> str | None:
@@ -64,50 +72,61 @@ class ChunkFormat:
             payload["usage"] = None
         return _event(payload)
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         raise NotImplementedError
 
 
 class ChatChunkFormat(ChunkFormat):
     object = "chat.completion.chunk"
 
-    def opening(self) -> list[str]:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._chunk([role])]
+    def opening(self, n: int = 1) -> list[str]:
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]) for i in range(n)]
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
 class CompletionChunkFormat(ChunkFormat):
     object = "text_completion"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
 async def sse_events(
-    first: Delta,
-    rest: AsyncIterator[Delta],
+    first: list[tuple[int, Delta]],
+    rest: AsyncIterator[tuple[int, Delta]],
+    n: int,
     fmt: ChunkFormat,
     to_error: Callable[[Exception], OpenAIError],
 ) -> AsyncIterator[str]:
-    """The whole event stream. `first` was awaited before the response began, so a
-    request the model refuses still gets its HTTP error status."""
+    """The whole event stream of n choices' (index, delta)s. `first` was awaited before
+    the response began, so a request the model refuses still gets its HTTP error status."""
     async with aclosing(rest):
         try:
-            for line in fmt.opening():
+            for line in fmt.opening(n):
                 yield line
-            delta = first
-            while delta.outcome is None:
-                if delta.text or delta.logprobs:
-                    yield fmt.text(delta.text, None, delta)
-                delta = await anext(rest)
-            yield fmt.text(delta.text, delta.outcome.finish_reason, delta)
-            usage = fmt.usage(delta.outcome.usage())
+            outcomes: dict[int, Outcome] = {}
+            async for index, delta in _chained(first, rest):
+                if delta.outcome is not None:
+                    outcomes[index] = delta.outcome
+                    yield fmt.text(index, delta.text, delta.outcome.finish_reason, delta)
+                elif delta.text or delta.logprobs:
+                    yield fmt.text(index, delta.text, None, delta)
+            if len(outcomes) < n:
+                raise EngineError("a choice ended without an outcome")
+            usage = fmt.usage(total_usage([outcomes[i] for i in range(n)]))
             if usage is not None:
                 yield usage
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
             yield _event(to_error(exc).body())
     yield DONE
+
+
+async def _chained(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item

@@ -246,7 +246,8 @@ def test_chat_features_map_to_their_inputs_and_back():
     ("extra", "param"),
     [
         ({"temperature": -1}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
         ({"top_p": 0}, "top_p"),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
@@ -469,3 +470,86 @@ def test_completions_echo_streams_the_prompt_and_its_logprobs_first(app, tokeniz
     prompt_len = len(engine.requests[0]["prompt_tokens"])
     assert values[0] is None and len(values) == prompt_len + len(engine.token_ids)
     assert offsets == sorted(offsets) and logprobs[0]["top_logprobs"][0] is None
+
+
+# ---------------------------------------------------------------------------
+# n choices
+
+
+def test_n_choices_non_streaming(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "Paris is nice."), reason="stop")
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 7, "logprobs": True}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Paris is nice." and c["finish_reason"] == "stop" for c in data["choices"])
+    assert all(len(c["logprobs"]["content"]) == len(engine.token_ids) for c in data["choices"])
+    assert sorted(r["seed"] for r in engine.requests) == [7, 8, 9]
+    prompt_tokens = len(engine.requests[0]["prompt_tokens"])
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == 3 * len(engine.token_ids)
+    assert usage["total_tokens"] == prompt_tokens + 3 * len(engine.token_ids)
+
+
+def test_n_choices_without_seed_send_none(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, "ok"))
+    data = asyncio.run(_post(app, engine, "/v1/completions", {"prompt": "hi", "n": 2})).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert [r.get("seed") for r in engine.requests] == [None, None]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_n_choices_streaming(app, tokenization, path):
+    engine = FakeEngine(_answer_ids(tokenization, "Hello 你好 world"), pack_size=1)
+    body = {"n": 3, "stream": True, "stream_options": {"include_usage": True}, "stop": [" world"]}
+    chat = path == "/v1/chat/completions"
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    chunks = _sse_payloads(asyncio.run(_post(app, engine, path, body)).text)
+    assert chunks[-1]["choices"] == [] and all(c["choices"] for c in chunks[:-1])
+    # each choice stopped at " world", its last token before EOS
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 * (len(engine.token_ids) - 1)
+    texts, finishes, roles = {}, {}, []
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        index = choice["index"]
+        if chat and "role" in choice["delta"]:
+            roles.append(index)
+        piece = choice["delta"].get("content", "") if chat else choice["text"]
+        texts[index] = texts.get(index, "") + piece
+        if choice["finish_reason"]:
+            finishes[index] = choice["finish_reason"]
+    assert roles == ([0, 1, 2] if chat else [])
+    assert texts == {i: "Hello 你好" for i in range(3)}  # the stop string cuts each choice
+    assert finishes == {i: "stop" for i in range(3)}
+    assert engine.cancelled == 3
+
+
+def test_n_choices_refusal_is_400(app):
+    engine = FakeEngine([], error=engine_error("dry_multiplier: advanced samplers are not supported"))
+    body = {"prompt": "hi", "n": 2, "dry_multiplier": 0.5, "stream": True}
+    response = asyncio.run(_post(app, engine, "/v1/completions", body))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "dry_multiplier"
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_n_out_of_range_is_400(app, n):
+    response = asyncio.run(_post(app, FakeEngine([]), "/v1/completions", {"prompt": "hi", "n": n}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
+def test_closing_the_interleaved_choices_cancels_every_request(tokenization):
+    from openai_frontend.generation import generate_text, interleave
+
+    engine = FakeEngine(_answer_ids(tokenization, "one two three four five"), pack_size=1)
+
+    async def run():
+        streams = [generate_text(engine, {"prompt_tokens": [1]}, tokenization.detokenizer([1]), []) for _ in range(3)]
+        deltas = interleave(streams)
+        seen = {(await anext(deltas))[0]}
+        while len(seen) < 3:
+            seen.add((await anext(deltas))[0])
+        await deltas.aclose()  # as a client leaving mid-stream
+
+    asyncio.run(run())
+    assert len(engine.requests) == 3 and engine.cancelled == 3

@@ -242,7 +242,7 @@ def test_disconnect_before_a_non_streaming_reply_cancels_the_request(stack, clie
     ("kwargs", "error", "param"),
     [
         ({"temperature": -1}, openai.BadRequestError, "temperature"),
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 9}, openai.BadRequestError, "n"),
         ({"extra_body": {"loop_min_count": 3}}, openai.BadRequestError, "loop_min_count"),  # not built yet
         ({"extra_body": {"loop_min_count": 3}, "stream": True}, openai.BadRequestError, "loop_min_count"),
         ({"extra_body": {"dry_multiplier": -1}}, openai.BadRequestError, "dry_multiplier"),
