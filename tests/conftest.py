@@ -1,7 +1,8 @@
 """Shared fixtures: the serving stack, started once per session on free loopback ports.
 
 `triton_only`: tritonserver serving model `llm` (the default model), no frontend.
-`stack`: the OpenAI frontend on top of that same server; `.base_url` is
+`stack`: the OpenAI frontend on top of that same server (`client`, `model`: the openai
+client on it and the served model name); `.base_url` is
 "http://127.0.0.1:PORT/v1", plus `.triton_grpc_url`, `.triton_http_url`,
 `.triton_metrics_url`. Both always tear down (stub processes and shm files included).
 Process logs go to build/logs/.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from launcher import Stack, TritonServer
@@ -35,3 +37,15 @@ def triton_only(model_path) -> Iterator[TritonServer]:
 def stack(triton_only, model_path) -> Iterator[Stack]:
     with Stack(model_path, triton=triton_only) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def client(stack) -> openai.OpenAI:
+    """The official openai client on the stack's frontend."""
+    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    """The served model's name, as /v1/models lists it."""
+    return client.models.list().data[0].id

@@ -14,16 +14,6 @@ QUESTION = [{"role": "user", "content": "Tell me a short story about a cat."}]
 STORY = "Once upon a time, in a small village by the sea,"
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def _texts(reply) -> list[str]:
     assert [c.index for c in reply.choices] == list(range(len(reply.choices)))
     return [c.message.content for c in reply.choices]

@@ -23,16 +23,6 @@ STORY = "Once upon a time, in a small village by the sea,"
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
 

@@ -12,16 +12,6 @@ pytestmark = pytest.mark.e2e
 LOOP = "1, 2, 3, 1, 2, 3, 1, 2, 3,"  # the default model continues it forever at temperature 0
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def repeated_ngrams(text: str, n: int = 3) -> int:
     """How many word n-grams of the text are repeats of an earlier one."""
     words = text.split()
