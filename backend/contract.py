@@ -18,12 +18,17 @@ Rules:
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 MODEL_NAME = "llm"
+# Sent to the Python backend stub before stopping the server: the model aborts live
+# requests, sends their finals and refuses new ones (Triton calls finalize() only once
+# nothing is in flight, so finalize alone cannot end them).
+DRAIN_SIGNAL = signal.SIGUSR1
 
 # numpy dtype name -> Triton config data type
 _TRITON_TYPES = {

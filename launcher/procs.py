@@ -24,9 +24,6 @@ from pathlib import Path
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
-# Sent to model `llm`'s stub before the server's SIGTERM: abort live requests, send
-# their finals. Triton unloads a model (finalize()) only once no request is in flight.
-DRAIN_SIGNAL = signal.SIGUSR1
 
 
 class StartupError(RuntimeError):

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.contract import MODEL_NAME
+from backend.contract import DRAIN_SIGNAL, MODEL_NAME
 from launcher.layout import (
     BUILD_DIR,
     MODEL_REPOSITORY,
@@ -28,7 +28,6 @@ from launcher.layout import (
     triton_env,
 )
 from launcher.procs import (
-    DRAIN_SIGNAL,
     ManagedProcess,
     StartupError,
     Stub,

@@ -9,8 +9,8 @@ _CANCEL_CHECK_S) and aborts cancelled requests; the abort's final is then sent.
 
 Every request gets its final flag: with its last tokens, with an error, or at shutdown.
 Triton calls finalize() only once no request is in flight, so the launcher asks for a
-drain first (DRAIN_SIGNAL to the stub): live requests are aborted and get their finals,
-new ones are refused.
+drain first (contract.DRAIN_SIGNAL to the stub): live requests are aborted and get
+their finals, new ones are refused.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_thread import EngineSnapshot, EngineThread  # noqa: E402
 from backend.request import EngineRequest, FinalStats, sampling_from_fields  # noqa: E402
 from backend.streaming import Packet, StreamCoalescer  # noqa: E402
-from launcher.procs import DRAIN_SIGNAL  # noqa: E402
 
 log = logging.getLogger("llm")
 
@@ -153,12 +152,12 @@ class TritonPythonModel:
     # -- drain before shutdown ------------------------------------------------
 
     def _install_drain_handler(self) -> None:
-        """Wake a watcher thread on DRAIN_SIGNAL (the stub's main thread sits in C++,
+        """Wake a watcher thread on contract.DRAIN_SIGNAL (the stub's main thread sits in C++,
         so a Python handler alone would run late; the wakeup fd is written at once)."""
         try:
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)
-            signal.signal(DRAIN_SIGNAL, lambda signum, frame: None)
+            signal.signal(contract.DRAIN_SIGNAL, lambda signum, frame: None)
             signal.set_wakeup_fd(write_fd)
         except ValueError:  # not the main thread: no drain, finalize() still cleans up
             log.warning("drain signal handler not installed")
@@ -166,7 +165,7 @@ class TritonPythonModel:
         threading.Thread(target=self._await_drain, args=(read_fd,), name="llm-drain", daemon=True).start()
 
     def _await_drain(self, read_fd: int) -> None:
-        while os.read(read_fd, 1) != bytes([DRAIN_SIGNAL]):
+        while os.read(read_fd, 1) != bytes([contract.DRAIN_SIGNAL]):
             pass
         self._draining.set()
         with self._live_lock:
