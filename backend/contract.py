@@ -81,8 +81,6 @@ def _list(name, dtype, implemented=True, feature=""):
 
 _BEAMS = "translation with beam search"
 _VISION = "vision inputs"
-_GUARDS = "reasoning and guards"
-_TOOLS = "tool calling"
 
 INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("prompt_tokens", "int32", (-1,), optional=False),
@@ -114,6 +112,7 @@ INPUTS: tuple[TensorSpec, ...] = (
     _scalar("dry_multiplier", "float32", 0.0),
     _scalar("dry_base", "float32", 1.75),
     _scalar("dry_allowed_length", "int32", 2),
+    _list("dry_sequence_breakers", "bytes"),  # strings; absent: llama.cpp's ("\\n", ":", "\"", "*")
     _scalar("lz_penalty", "float32", 0.0),
     _list("logit_bias_ids", "int32"),
     _list("logit_bias_values", "float32"),
@@ -121,24 +120,26 @@ INPUTS: tuple[TensorSpec, ...] = (
     # stopping and guards
     _list("stop_tokens", "int32"),
     _scalar("ignore_eos", "bool", False),  # vLLM's extension: generate past EOS (benchmarks)
-    _scalar("enable_thinking", "bool", False, False, _GUARDS),
-    _scalar("thinking_budget", "int32", None, False, _GUARDS),
-    _scalar("loop_min_pattern_size", "int32", None, False, _GUARDS),
-    _scalar("loop_max_pattern_size", "int32", None, False, _GUARDS),
-    _scalar("loop_min_count", "int32", None, False, _GUARDS),
-    _scalar("deadline_ms", "int64", None, False, _GUARDS),
+    _scalar("enable_thinking", "bool", False),  # force a thinking block the prompt did not open
+    # absent: the model settings' default (MODEL.toml [reasoning] / [guards])
+    _scalar("thinking_budget", "int32"),
+    _scalar("loop_min_pattern_size", "int32"),
+    _scalar("loop_max_pattern_size", "int32"),
+    _scalar("loop_min_count", "int32"),  # 0: loop detectors off
+    _scalar("deadline_ms", "int64"),  # from the request's arrival; 0: none
     # tools and structured output
-    _scalar("require_tool_call", "bool", False, False, _TOOLS),
-    _scalar("tools_present", "bool", False, False, _TOOLS),
-    _scalar("suppress_tool_call", "bool", False, False, _TOOLS),
-    _scalar("grammar_kind", "bytes", b"", False, "structured output"),
-    _scalar("grammar_spec", "bytes", b"", False, "structured output"),
+    _scalar("require_tool_call", "bool", False),
+    _scalar("tools_present", "bool", False),
+    _scalar("suppress_tool_call", "bool", False),
+    # json_object | json_schema | regex | ebnf | structural_tag (xgrammar's), and its text
+    _scalar("grammar_kind", "bytes", b""),
+    _scalar("grammar_spec", "bytes", b""),
     # speculative decoding: there is no draft yet, so disabling it is always honoured
     _scalar("disable_mtp", "bool", False),
     # logprobs
     _scalar("logprobs", "bool", False),  # return the sampled tokens' logprobs
     _scalar("top_logprobs", "int32", 0),  # and this many alternatives, 0..20 (implies logprobs)
-    _scalar("prompt_logprobs", "int32", 0),  # > 0: return each prompt token's logprob
+    _scalar("prompt_logprobs", "int32", 0),  # N > 0: each prompt token's logprob and N alternatives
     _scalar("echo", "bool", False),  # return each prompt token's logprob (completions echo)
     # delivery
     _scalar("stream", "bool", False),
@@ -151,9 +152,12 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("top_logprob_ids", "int32", (-1, -1)),  # [num_tokens, k]
     TensorSpec("top_logprob_values", "float32", (-1, -1)),
     _list("prompt_logprobs", "float32"),  # once, with the first token; one per prompt token, the first NaN
+    TensorSpec("prompt_top_logprob_ids", "int32", (-1, -1)),  # [num_prompt_tokens, k], the first row -1
+    TensorSpec("prompt_top_logprob_values", "float32", (-1, -1)),  # the first row NaN
     # the final event
     _scalar("finish_reason", "bytes"),
     _scalar("stop_guard", "bytes"),  # which guard ended the sequence ("" if none)
+    _scalar("thinking_guard", "bytes"),  # which guard ended thinking (thinking_budget, thinking_loop; "" if none)
     _scalar("prompt_token_count", "int32"),
     _scalar("completion_token_count", "int32"),
     _scalar("cached_prompt_tokens", "int32"),

@@ -84,6 +84,10 @@ class EngineThread:
         if self._startup_error is not None:
             raise self._startup_error
 
+    def prepare(self, request: EngineRequest) -> None:
+        """The request's thread-safe preparation (its grammar), on the caller's thread."""
+        self._engine.prepare_request(request)
+
     def submit(self, request: EngineRequest) -> None:
         """Queue a request; its outputs or its failure come through the callbacks."""
         with self._cond:

@@ -87,23 +87,47 @@ def prompt_logprob_spans(scheduled: list[ScheduledSeq], query_start: list[int]) 
     return spans
 
 
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, and (when asked) each position's top k
+    alternatives, descending."""
+
+    values: list[float]
+    top: list[tuple[list[int], list[float]]] | None = None
+
+
 def prompt_logprobs(
     hidden: torch.Tensor,
     spans: list[PromptLogprobSpan],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> list[list[float]]:
+) -> list[PromptLogprobs]:
     """For each span, the logprobs of prompt tokens start + 1 .. start + count."""
     device = hidden.device
     rows = torch.tensor([s.first_row + j for s in spans for j in range(s.count)], device=device)
     targets = [t for s in spans for t in s.seq.token_ids[s.start + 1 : s.start + 1 + s.count]]
     target_ids = torch.tensor(targets, device=device)
+    k = max(s.seq.sampling.prompt_top_logprobs for s in spans)
     values: list[float] = []
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
     for lo in range(0, len(targets), _PROMPT_ROWS_PER_CHUNK):
         hi = lo + _PROMPT_ROWS_PER_CHUNK
         logprobs = torch.log_softmax(compute_logits(hidden[rows[lo:hi]]).float(), dim=-1)
         values += logprobs.gather(1, target_ids[lo:hi].unsqueeze(1)).squeeze(1).tolist()
+        if k:
+            chunk_values, chunk_ids = logprobs.topk(k, dim=-1)
+            top_ids += chunk_ids.tolist()
+            top_values += chunk_values.tolist()
     out, offset = [], 0
     for span in spans:
-        out.append(values[offset : offset + span.count])
-        offset += span.count
+        end = offset + span.count
+        span_k = span.seq.sampling.prompt_top_logprobs
+        top = None
+        if span_k:
+            top = [
+                (ids[:span_k], vals[:span_k])
+                for ids, vals in zip(top_ids[offset:end], top_values[offset:end], strict=True)
+            ]
+        out.append(PromptLogprobs(values[offset:end], top))
+        offset = end
     return out

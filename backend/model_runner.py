@@ -44,7 +44,7 @@ class StepResult:
     # per completing sequence, None where its request did not ask
     logprobs: list[lp.TokenLogprobs | None] = field(default_factory=list)
     # (sequence, first prompt position of the chunk, logprobs of prompt tokens start+1 ..)
-    prompt_logprobs: list[tuple[Sequence, int, list[float]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, int, lp.PromptLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend import contract
+from backend.vocab import DEFAULT_DRY_BREAKERS
 
 
 class FinishReason(enum.Enum):
@@ -24,6 +25,10 @@ class StopGuard(enum.Enum):
     MAX_TOKENS = "max_tokens"
     CONTEXT_LENGTH = "context_length"
     CANCELLED = "cancelled"
+    CONTENT_LOOP = "content_loop"  # the answer repeats a pattern: finished
+    DEADLINE = "deadline"  # the request's time ran out: finished with what it has
+    THINKING_LOOP = "thinking_loop"  # thinking repeated a pattern: its end was forced
+    THINKING_BUDGET = "thinking_budget"  # thinking spent its budget: its end was forced
 
 
 @dataclass(slots=True)
@@ -32,9 +37,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0, top_p 1.0, min_p 0, top_n_sigma 0,
     repetition_penalty 1, presence/frequency_penalty 0, dry_multiplier 0, lz_penalty 0
-    and an empty logit bias are off. DRY's sequence breakers are token ids (the engine
-    has no tokenizer text; the contract has no input for them yet, so they stay empty
-    on the wire and llama.cpp's string breakers are not applied).
+    and an empty logit bias are off. DRY's sequence breakers come as strings
+    (llama.cpp's, by default); the engine turns them into the ids of the tokens whose
+    text holds one (`dry_sequence_breakers`, which the sampler reads).
     max_tokens None means up to the context length. A seeded request draws from a
     generator seeded from (seed, token index), so its tokens do not depend on the rest
     of the batch. The logit bias is two parallel tuples (token ids, values), as on the
@@ -54,7 +59,8 @@ class SamplingParams:
     dry_multiplier: float = 0.0  # DRY (llama.cpp), over prompt and output tokens
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_sequence_breakers: tuple[int, ...] = ()
+    dry_breaker_strings: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    dry_sequence_breakers: tuple[int, ...] = ()  # token ids, set by the engine from the strings
     lz_penalty: float = 0.0  # ours: logit -= lz_penalty * repeat length
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
@@ -65,6 +71,18 @@ class SamplingParams:
     logprobs: bool = False  # the sampled tokens' logprobs
     top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
     prompt_logprobs: bool = False  # each prompt token's logprob (skips the prefix cache)
+    prompt_top_logprobs: int = 0  # and this many alternatives at each prompt position
+    # tool calling (the engine knows the model's call tags from its settings)
+    tools_present: bool = False  # the request offers tools: a closing call tag never ends the turn
+    require_tool_call: bool = False  # EOS and stop tokens are masked until a call has opened
+    suppress_tool_call: bool = False  # the token that would complete the call trigger is masked
+    # reasoning and guards (None: the model settings' default)
+    enable_thinking: bool = False  # force a thinking block when the prompt did not open one
+    thinking_budget: int | None = None  # thinking tokens before the end marker is forced
+    loop_min_pattern_size: int | None = None
+    loop_max_pattern_size: int | None = None
+    loop_min_count: int | None = None  # 0: loop detectors off
+    deadline_ms: int | None = None  # from arrival; 0: none
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +127,10 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", 0 <= self.prompt_top_logprobs <= 20, "must be in [0, 20]"),
+            ("thinking_budget", self.thinking_budget is None or self.thinking_budget >= 0, "must be at least 0"),
+            ("deadline_ms", self.deadline_ms is None or self.deadline_ms >= 0, "must be at least 0 (0: none)"),
+            ("loop_min_count", self.loop_min_count is None or self.loop_min_count >= 0, "must be at least 0"),
             ("dry_multiplier", self.dry_multiplier >= 0.0, "must be at least 0 (0 turns it off)"),
             ("dry_base", self.dry_base >= 1.0, "must be at least 1"),
             ("dry_allowed_length", self.dry_allowed_length >= 1, "must be at least 1"),
@@ -141,6 +163,10 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = ""  # scopes the prefix cache
     adapter: int = 0  # scopes the prefix cache (0: the base model)
+    # structured output: an xgrammar grammar the output must follow ("" kind: none)
+    grammar_kind: str = ""
+    grammar_spec: str = ""
+    grammar: Any = None  # the compiled grammar (backend.grammar.CompiledGrammar), once prepared
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -153,6 +179,8 @@ class FinalStats:
     cached_prompt_tokens: int
     time_to_first_token_s: float
     decode_time_s: float
+    reasoning_tokens: int = 0
+    thinking_guard: StopGuard | None = None  # the guard that ended thinking, if one did
 
 
 @dataclass(slots=True)
@@ -165,8 +193,10 @@ class RequestOutput:
     # when the request asked: one per new token, and its top alternatives (ids, values)
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    # once, with the first token: one per prompt token, the first None (nothing predicts it)
+    # once, with the first token: one per prompt token, the first None (nothing predicts
+    # it); and, when asked, each prompt position's top alternatives (the first empty)
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -189,6 +219,7 @@ def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
         dry_multiplier=values["dry_multiplier"],
         dry_base=values["dry_base"],
         dry_allowed_length=values["dry_allowed_length"],
+        dry_breaker_strings=_strings(values["dry_sequence_breakers"]) or DEFAULT_DRY_BREAKERS,
         lz_penalty=values["lz_penalty"],
         logit_bias_ids=tuple(values["logit_bias_ids"]),
         logit_bias_values=tuple(values["logit_bias_values"]),
@@ -197,9 +228,26 @@ def sampling_from_fields(values: dict[str, Any]) -> SamplingParams:
         ignore_eos=values["ignore_eos"],
         logprobs=values["logprobs"],
         top_logprobs=values["top_logprobs"],
+        # prompt_logprobs N > 0: each prompt token's logprob and N alternatives (vLLM);
+        # echo: the logprobs alone
         prompt_logprobs=values["prompt_logprobs"] > 0 or values["echo"],
+        prompt_top_logprobs=values["prompt_logprobs"],
+        tools_present=values["tools_present"],
+        require_tool_call=values["require_tool_call"],
+        suppress_tool_call=values["suppress_tool_call"],
+        enable_thinking=values["enable_thinking"],
+        thinking_budget=values["thinking_budget"],
+        loop_min_pattern_size=values["loop_min_pattern_size"],
+        loop_max_pattern_size=values["loop_max_pattern_size"],
+        loop_min_count=values["loop_min_count"],
+        deadline_ms=values["deadline_ms"],
     )
-    if not 0 <= values["prompt_logprobs"] <= 20:
-        raise contract.ContractError("prompt_logprobs", "must be in [0, 20]")
     params.validate()
     return params
+
+
+def _strings(items: tuple[bytes, ...]) -> tuple[str, ...]:
+    try:
+        return tuple(item.decode() for item in items)
+    except UnicodeDecodeError as exc:
+        raise contract.ContractError("dry_sequence_breakers", f"must be UTF-8 strings: {exc}") from None

@@ -2,13 +2,17 @@
 
 1. logits in float32;
 2. logit bias (added; a repeated id adds up), then min_tokens: EOS and stop tokens
-   get -inf until the row has produced min_tokens;
+   get -inf until the row has produced min_tokens; then the engine's guard masks
+   (`SamplingRow.masked`: tool-call guards);
 3. penalties: repetition (HF / vLLM: over prompt and output tokens, a positive logit
    is divided by the penalty, a negative one multiplied), then presence and frequency
    (OpenAI: over output tokens only, logit -= presence * (count > 0) + frequency * count),
    then DRY (llama.cpp: logit -= multiplier * base ** (L - allowed_length) where the
    candidate would extend a repeat of length L >= allowed_length of the context's end),
    then LZ (ours: logit -= lz_penalty * L for every L >= 1); L from backend.repeats;
+   then the grammar mask (structured output, tool calls): -inf on every token the
+   row's grammar refuses now (a row left with no token falls back to the grammar's
+   tokens alone: the grammar wins over min_tokens, bias and guards);
 4. greedy rows (temperature 0): argmax, done (bias and penalties apply to them too);
 5. temperature: logits / t;
 6. filters, on the descending sort of the row (only when some row asks; a partial
@@ -33,9 +37,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from backend.grammar import apply_grammar_masks
 from backend.repeats import dry_penalties, lz_penalties
 from backend.request import SamplingParams
 
@@ -60,6 +66,13 @@ class SamplingRow:
     # prompt + output tokens so far (the last num_output_tokens are output); read only
     # when params.uses_penalties, so penalty-free rows may leave it empty
     token_ids: Sequence[int] = ()
+    # tokens the engine's guards mask this step (a required tool call not yet opened
+    # masks EOS; a suppressed call masks the token completing its trigger)
+    masked: tuple[int, ...] = ()
+    # the row's grammar state (backend.grammar.GrammarState): only tokens it accepts
+    grammar: Any = None
+    # a token the engine forces (a thinking marker): drawn whatever the logits say
+    forced: int | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -96,6 +109,31 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if masked:
         # adding -inf is masking, whatever the logit was
         _add_at(logits, [i for i, b in masked for _ in b], [t for _, b in masked for t in b], float("-inf"))
+
+
+def apply_guard_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    masked = [(i, r.masked) for i, r in enumerate(rows) if r.masked]
+    if masked:
+        _add_at(logits, [i for i, m in masked for _ in m], [t for _, m in masked for t in m], float("-inf"))
+
+
+def apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Each grammar row keeps only the tokens its grammar accepts now. The grammar wins
+    over the masks and biases before it: a row they left with no token the grammar
+    accepts (min_tokens masking the EOS a finished grammar needs) falls back to the
+    grammar's tokens alone, at their raw logits."""
+    states = [r.grammar for r in rows]
+    constrained = [i for i, s in enumerate(states) if s is not None]
+    if not constrained:
+        return
+    index = torch.tensor(constrained, device=logits.device)
+    before = logits[index]  # a copy: the rows as they were, for the rescue below
+    apply_grammar_masks(logits, states)
+    dead = (~torch.isfinite(logits[index]).any(dim=-1)).nonzero().flatten().tolist()
+    if dead:
+        rescue = before[dead].nan_to_num(neginf=0.0)
+        apply_grammar_masks(rescue, [states[constrained[j]] for j in dead])
+        logits[index[dead]] = rescue
 
 
 def token_counts(rows: list[SamplingRow], vocab: int, device) -> tuple[torch.Tensor, ...]:
@@ -258,13 +296,22 @@ def seeded_exponential(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     lo, hi = (keys & _MASK32).unsqueeze(1), (keys >> 32).unsqueeze(1)
     h = _mix32(_mix32(ids ^ lo) ^ hi)
     h = _mix32(h ^ (ids * 0x9E3779B9 & _MASK32) ^ lo)
-    uniform = ((h >> 8).float() + 0.5) / float(1 << 24)  # 24 bits, in (0, 1)
-    return -uniform.log()
+    return exponential_from_bits(h)
+
+
+def exponential_from_bits(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> Exp(1) noise, never 0: u = (top 24 bits + 0.5) / 2**24 in (0, 1),
+    computed in float64. (In float32 the largest u rounds to 1.0, whose noise -log(1) = 0
+    made p / q = 0 / 0 = NaN for a filtered-out token, and argmax picks NaN: one
+    row-step in ~340 over a 49k vocabulary drew a token its filters had removed.)"""
+    uniform = ((h >> 8).double() + 0.5) / float(1 << 24)
+    return (-uniform.log()).float()
 
 
 def _exponential_noise(ids: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """ids: [R, W] -> Exp(1) noise [R, W]; a seeded row's from its (seed, output index)."""
-    noise = torch.empty(ids.shape, device=ids.device).exponential_()
+    # never exactly 0 (p / 0 is NaN or inf): a filtered-out token must lose the race
+    noise = torch.empty(ids.shape, device=ids.device).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
     seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
     if seeded:
         keys = [seed_for_token(rows[i].params.seed, rows[i].num_output_tokens) for i in seeded]
@@ -307,11 +354,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     logits = logits.float()
     apply_logit_bias(logits, rows)
     apply_min_tokens(logits, rows)
+    apply_guard_masks(logits, rows)
     apply_penalties(logits, rows)
     apply_repeat_penalties(logits, rows)
+    apply_grammars(logits, rows)
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
         tokens[index] = _draw(logits[index], [rows[i] for i in drawn])
-    return tokens.tolist()
+    result = tokens.tolist()
+    for i, row in enumerate(rows):
+        if row.forced is not None:
+            result[i] = row.forced
+    return result

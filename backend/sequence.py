@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.request import EngineRequest, FinishReason, SamplingParams, StopGuard
 
@@ -36,15 +37,23 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     stop_guard: StopGuard | None = None
-    # logprobs of prompt tokens 1.. as computed so far; None when not asked for, or
-    # once sent (with the first token)
+    # logprobs of prompt tokens 1.. as computed so far, and their top alternatives when
+    # asked; None when not asked for, or once sent (with the first token)
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    grammar: Any = None  # backend.grammar.GrammarState when the output follows a grammar
+    tool_call_opened: bool = False  # the output has written the tool-call trigger
+    guards: Any = None  # backend.thinking.SequenceGuards: thinking phase, budget, loop detectors
+    deadline: float | None = None  # time.monotonic() past which the sequence is finished
 
     @classmethod
     def from_request(cls, request: EngineRequest) -> Sequence:
         tokens = list(request.prompt_token_ids)
-        prompt_logprobs = [] if request.sampling.prompt_logprobs else None
-        return cls(request=request, token_ids=tokens, num_prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
+        seq = cls(request=request, token_ids=tokens, num_prompt_tokens=len(tokens))
+        if request.sampling.prompt_logprobs:
+            seq.prompt_logprobs = []
+            seq.prompt_top_logprobs = [] if request.sampling.prompt_top_logprobs else None
+        return seq
 
     @property
     def request_id(self) -> str:

@@ -30,6 +30,7 @@ class Packet:
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -45,6 +46,7 @@ class _Buffer:
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -54,10 +56,11 @@ class _Buffer:
             self.top_logprobs = (self.top_logprobs or []) + (out.top_logprobs or [])
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_top_logprobs = out.prompt_top_logprobs
 
     def clear(self) -> None:
         self.token_ids = []
-        self.logprobs = self.top_logprobs = self.prompt_logprobs = None
+        self.logprobs = self.top_logprobs = self.prompt_logprobs = self.prompt_top_logprobs = None
 
     @property
     def ended(self) -> bool:
@@ -147,7 +150,14 @@ class StreamCoalescer:
     def _take_one(self, request_id: str) -> Packet:
         buf = self._buffers[request_id]
         packet = Packet(
-            request_id, buf.token_ids, buf.final, buf.error, buf.logprobs, buf.top_logprobs, buf.prompt_logprobs
+            request_id,
+            buf.token_ids,
+            buf.final,
+            buf.error,
+            buf.logprobs,
+            buf.top_logprobs,
+            buf.prompt_logprobs,
+            buf.prompt_top_logprobs,
         )
         if packet.is_last:
             del self._buffers[request_id]

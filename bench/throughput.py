@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench import sampler_cost
+from bench import grammar_cost, sampler_cost
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -219,3 +219,4 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(asdict(fig), indent=2))
     sampler_cost.main()  # one more line: the sampler's share of a decode step
+    grammar_cost.main()  # and one: the grammar's share at 32 constrained streams

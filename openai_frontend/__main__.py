@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
@@ -18,6 +19,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", required=True, help="the served Hugging Face model folder")
     parser.add_argument("--served-model-name", default=None, help="default: the folder's name")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--dump",
+        default=os.environ.get("DUMP_DIR") or None,
+        metavar="DIR",
+        help="write one JSON file per request here (body, tensors, final event, response); default $DUMP_DIR",
+    )
     return parser.parse_args(argv)
 
 
@@ -25,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model_path.rstrip("/").rsplit("/", 1)[-1]
-    app = create_app(Settings(args.model_path, name, args.triton_url))
+    app = create_app(Settings(args.model_path, name, args.triton_url, args.dump))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

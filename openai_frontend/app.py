@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
@@ -24,6 +25,7 @@ class Settings:
     model_path: str
     served_model_name: str
     triton_url: str = "127.0.0.1:8001"
+    dump_dir: str | None = None  # --dump: one JSON file per request in this folder
 
 
 def _serving(request: Request) -> Serving:
@@ -59,7 +61,11 @@ async def metrics(request: Request) -> Response:
 
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
     """The app; its lifespan opens the one Triton client all requests share."""
-    serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name)
+    dump_dir = None
+    if settings.dump_dir:
+        dump_dir = Path(settings.dump_dir)
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name, dump_dir=dump_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

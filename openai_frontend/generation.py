@@ -10,7 +10,7 @@ from typing import Any
 
 from backend import contract
 from openai_frontend.detokenizer import IncrementalDetokenizer
-from openai_frontend.protocol import PromptTokensDetails, Usage
+from openai_frontend.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 from openai_frontend.stop import StopMatcher
 from openai_frontend.triton_client import EngineError, Finish, TokenLogprob, TokenPack, TritonLLM
 
@@ -19,10 +19,13 @@ from openai_frontend.triton_client import EngineError, Finish, TokenLogprob, Tok
 class Outcome:
     """How a generation ended, in the client's terms."""
 
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" (| "tool_calls", set by the tool parser)
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    stop_guard: str = ""  # what ended the sequence (eos, max_tokens, content_loop, deadline, stop_string, ...)
+    thinking_guard: str = ""  # what ended its thinking, if a guard did (thinking_budget, thinking_loop)
 
     def usage(self) -> Usage:
         return Usage(
@@ -30,6 +33,7 @@ class Outcome:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens),
         )
 
 
@@ -39,13 +43,15 @@ class Delta:
 
     `logprobs` (when asked for): the tokens received since the previous delta. Tokens
     whose text is held back wait for the delta that releases it; a stop string keeps
-    the logprobs of every token in its pack (the cut falls inside it).
+    the logprobs of the tokens up to the one that completed it.
     """
 
     text: str
     outcome: Outcome | None = None
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[float | None] | None = None  # on the first delta, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked for
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool-call deltas (chat with tools)
+    reasoning: str = ""  # thinking text (chat with a reasoning model), split from `text`
 
 
 async def generate_text(
@@ -56,26 +62,44 @@ async def generate_text(
 ) -> AsyncIterator[Delta]:
     """Deltas of one request's text; a stop string ends it and cancels the request.
 
-    The model sends tokens in packs (one response may carry many); each pack is
-    detokenized at once. Deltas may be empty (text held back); the last one is not
-    skipped, since it carries the outcome.
+    The model sends tokens in packs (one response may carry many). Without stop strings
+    or logprobs a pack is detokenized at once. With them, token by token: a stop string
+    then ends the generation at the token that completed it (as vLLM, whose steps make
+    one token each): later tokens of the pack, and their logprobs, are dropped and not
+    counted; and each logprob entry learns where its token's text begins. Deltas may be
+    empty (text held back); the last one is not skipped, since it carries the outcome.
     """
     matcher = StopMatcher(stops)
+    per_token = bool(stops) or bool(fields.get("logprobs"))
     prompt_len = len(fields["prompt_tokens"])
     received = 0
+    produced = 0  # characters the detokenizer has produced: the next token's text offset
     pending = _Pending()
     async with aclosing(engine.generate(fields)) as packs:
         async for pack in packs:
-            received += len(pack.token_ids)
             pending.add(pack)
-            text = matcher.feed(detokenizer.feed(pack.token_ids))
-            if pack.finish is not None:
+            if per_token:
+                text = ""
+                for j, token in enumerate(pack.token_ids):
+                    if pack.logprobs is not None:
+                        pack.logprobs[j].offset = produced
+                    piece = detokenizer.feed([token])
+                    produced += len(piece)
+                    received += 1
+                    text += matcher.feed(piece)
+                    if matcher.stopped:
+                        pending.drop_last(len(pack.token_ids) - j - 1)
+                        break
+            else:
+                received += len(pack.token_ids)
+                text = matcher.feed(detokenizer.feed(pack.token_ids))
+            if pack.finish is not None and not matcher.stopped:
                 text += matcher.feed(detokenizer.flush())
                 if not matcher.stopped:
                     text += matcher.flush()
             if matcher.stopped:
                 # leaving the `async with` cancels the model's request
-                yield pending.delta(text, Outcome(contract.FINISH_STOP, prompt_len, received))
+                yield pending.delta(text, Outcome(contract.FINISH_STOP, prompt_len, received, stop_guard="stop_string"))
                 return
             if pack.finish is not None:
                 yield pending.delta(text, _outcome(pack.finish, prompt_len, received))
@@ -89,13 +113,18 @@ class _Pending:
     """Logprobs received but not yet sent with a delta."""
 
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, pack: TokenPack) -> None:
         if pack.logprobs is not None:
             self.logprobs = (self.logprobs or []) + pack.logprobs
         if pack.prompt_logprobs is not None:
             self.prompt_logprobs = pack.prompt_logprobs
+
+    def drop_last(self, count: int) -> None:
+        """Forget the logprobs of the last `count` tokens received (cut by a stop string)."""
+        if count and self.logprobs:
+            del self.logprobs[-count:]
 
     def delta(self, text: str, outcome: Outcome | None = None) -> Delta:
         delta = Delta(text, outcome, self.logprobs, self.prompt_logprobs)
@@ -113,6 +142,9 @@ def _outcome(finish: Finish, prompt_len: int, received: int) -> Outcome:
         finish.prompt_tokens or prompt_len,
         finish.completion_tokens or received,
         finish.cached_tokens,
+        finish.reasoning_tokens,
+        finish.stop_guard,
+        finish.thinking_guard,
     )
 
 
@@ -142,7 +174,8 @@ def total_usage(outcomes: list[Outcome]) -> Usage:
     """
     first = outcomes[0]
     completion = sum(o.completion_tokens for o in outcomes)
-    return Outcome(first.finish_reason, first.prompt_tokens, completion, first.cached_tokens).usage()
+    reasoning = sum(o.reasoning_tokens for o in outcomes)
+    return Outcome(first.finish_reason, first.prompt_tokens, completion, first.cached_tokens, reasoning).usage()
 
 
 async def collect_all(streams: list[AsyncIterator[Delta]]) -> list[Delta]:

@@ -15,11 +15,6 @@ from openai_frontend.triton_client import TokenLogprob
 TokenText = Callable[[int], str]
 
 
-def prompt_entries(prompt_ids: list[int], logprobs: list[float | None]) -> list[TokenLogprob]:
-    """Echoed prompt tokens as logprob entries (the first has None: nothing predicts it)."""
-    return [TokenLogprob(t, lp, [] if lp is None else [(t, lp)]) for t, lp in zip(prompt_ids, logprobs, strict=False)]
-
-
 def _chat_item(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -34,7 +29,12 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[st
 
 
 class CompletionLogprobs:
-    """Formats one completion's logprobs, a delta at a time; text offsets run on."""
+    """Formats one completion's logprobs, a delta at a time.
+
+    A token's text offset is where its text begins in the choice's text, as the
+    frontend's detokenizer placed it (`TokenLogprob.offset`); for an entry without one,
+    the offsets run on by the length of each token's own text.
+    """
 
     def __init__(self, token_text: TokenText):
         self._token_text = token_text
@@ -46,6 +46,8 @@ class CompletionLogprobs:
             text = self._token_text(entry.token_id)
             tokens.append(text)
             values.append(entry.logprob)
+            if entry.offset is not None:
+                self._offset = entry.offset
             offsets.append(self._offset)
             self._offset += len(text)
             if entry.logprob is None:

@@ -13,7 +13,7 @@ import json
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backend import contract
 
@@ -36,6 +36,10 @@ _PARAM_OF_INPUT = {
     "require_tool_call": "tool_choice",
     "suppress_tool_call": "tool_choice",
     "enable_thinking": "chat_template_kwargs.enable_thinking",
+    "loop_min_pattern_size": "repetition_detection.min_pattern_size",
+    "loop_max_pattern_size": "repetition_detection.max_pattern_size",
+    "loop_min_count": "repetition_detection.min_count",
+    "deadline_ms": "timeout",
 }
 
 
@@ -43,9 +47,45 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class RepetitionDetection(BaseModel):
+    """The loop detectors' settings for one request (absent fields: the model's defaults):
+    a pattern of min_pattern_size..max_pattern_size tokens repeated min_count times in a
+    row (0 turns the detectors off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_pattern_size: int | None = Field(None, ge=1)
+    max_pattern_size: int | None = Field(None, ge=1)
+    min_count: int | None = Field(None, ge=0)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` would shadow a pydantic BaseModel attribute
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (a grammar), strict or not
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_is_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+    def grammar_fields(self) -> dict[str, Any]:
+        """The output constraint as contract fields (none for "text")."""
+        if self.type == "text":
+            return {}
+        if self.type == "json_object":
+            return {"grammar_kind": "json_object", "grammar_spec": ""}
+        return {"grammar_kind": "json_schema", "grammar_spec": json.dumps(self.json_schema.schema_)}
 
 
 class GenerationRequest(BaseModel):
@@ -61,6 +101,11 @@ class GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # DRY's sequence breakers, as llama.cpp's server takes them; absent or empty: its defaults
+    dry_sequence_breakers: list[str] | None = None
+    # guards: loop detectors, and a deadline in seconds (the answer ends with what it has)
+    repetition_detection: RepetitionDetection | None = None
+    timeout: float | None = Field(None, gt=0)
     # Any other contract input not derived by the frontend (num_beams, dry_multiplier,
     # thinking_budget, ...) may be sent by its contract name and is forwarded as is.
 
@@ -109,9 +154,26 @@ class GenerationRequest(BaseModel):
             seed=self.seed,
             stop_tokens=self.stop_token_ids or None,
             ignore_eos=self.ignore_eos or None,
+            dry_sequence_breakers=self.dry_sequence_breakers or None,
+            deadline_ms=round(self.timeout * 1000) if self.timeout is not None else None,
             stream=stream,
         )
+        loops = self.repetition_detection
+        if loops is not None:
+            fields.update(
+                loop_min_pattern_size=loops.min_pattern_size,
+                loop_max_pattern_size=loops.max_pattern_size,
+                loop_min_count=loops.min_count,
+            )
         return fields
+
+    def with_presets(self, fields: dict[str, Any], presets: dict[str, Any]) -> dict[str, Any]:
+        """The model's sampling presets (MODEL.toml) under the request's own values: a
+        preset applies only to a field the request did not set."""
+        explicit = set(self.model_fields_set) | set(self.model_extra or {})
+        if "max_completion_tokens" in explicit:
+            explicit.add("max_tokens")
+        return {**fields, **{k: v for k, v in presets.items() if k not in explicit and fields.get(k) is None}}
 
     def choice_fields(self, fields: dict[str, Any], index: int) -> dict[str, Any]:
         """Choice `index`'s fields: with a seed, seed + index (distinct yet reproducible)."""
@@ -185,6 +247,7 @@ class ChatCompletionRequest(GenerationRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0)
+    parallel_tool_calls: bool | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -193,6 +256,14 @@ class ChatCompletionRequest(GenerationRequest):
 
     # --- extensions ---
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None  # the same as chat_template_kwargs.enable_thinking
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template receives besides the messages (and tools)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs.setdefault("enable_thinking", self.enable_thinking)
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod
@@ -204,36 +275,25 @@ class ChatCompletionRequest(GenerationRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
+        """The request's own fields; with tools, the serving layer adds the tool fields
+        (and their grammar, which then replaces response_format's)."""
+        fields = super().contract_fields(prompt_tokens, stream)
+        if self.response_format is not None:
+            fields.update(self.response_format.grammar_fields())
+        if self.logprobs:
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or None)
+        thinking = self.template_kwargs().get("enable_thinking")
+        if thinking:  # a thinking block the template did not open is forced (reasoning models)
+            fields["enable_thinking"] = True
+        return fields
+
     def param_of(self, input_name: str) -> str:
+        if input_name in ("grammar_kind", "grammar_spec") and self.tools and self.tool_choice != "none":
+            return "tools"
         if input_name == "max_tokens" and self.max_completion_tokens:
             return "max_completion_tokens"
         return super().param_of(input_name)
-
-    def contract_fields(self, prompt_tokens: list[int], stream: bool) -> dict[str, Any]:
-        fields = super().contract_fields(prompt_tokens, stream)
-        fields.update(self._grammar_fields(), **self._tool_fields())
-        if self.logprobs:
-            fields.update(logprobs=True, top_logprobs=self.top_logprobs or None)
-        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
-        if thinking is not None:
-            fields["enable_thinking"] = bool(thinking)
-        return fields
-
-    def _grammar_fields(self) -> dict[str, Any]:
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return {}
-        spec = json.dumps((fmt.json_schema or {}).get("schema", {})) if fmt.type == "json_schema" else ""
-        return {"grammar_kind": fmt.type, "grammar_spec": spec}
-
-    def _tool_fields(self) -> dict[str, Any]:
-        if not self.tools:
-            return {}
-        return {
-            "tools_present": True,
-            "require_tool_call": True if self.tool_choice == "required" else None,
-            "suppress_tool_call": True if self.tool_choice == "none" else None,
-        }
 
 
 # ---------------------------------------------------------------------------
@@ -282,8 +342,10 @@ class CompletionRequest(GenerationRequest):
         fields = super().contract_fields(prompt_tokens, stream)
         if self.logprobs is not None:
             fields.update(logprobs=True, top_logprobs=self.logprobs or None)
-            # echo's text is the frontend's; the model only adds the prompt's logprobs
-            fields["echo"] = True if self.echo else None
+            # echo's text is the frontend's; the model adds the prompt's logprobs (and
+            # as many alternatives as the generated tokens get)
+            if self.echo:
+                fields.update(echo=True, prompt_logprobs=self.logprobs or None)
         return fields
 
 
@@ -295,16 +357,25 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # a reasoning model's thinking (vLLM's field name); left out for models that do not reason
+    reasoning_content: str | None = Field(None, exclude_if=lambda text: text is None)
+    # left out of the JSON when there are none, as OpenAI does
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
 class ChatChoice(BaseModel):

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from backend.model_settings import ModelSettings
+from openai_frontend.chat_reasoning import ChatReasoning
+from openai_frontend.chat_tools import ChatTools, finish_reason
+from openai_frontend.dump import RequestDump
 from openai_frontend.errors import OpenAIError, bad_request, model_not_found, server_error
 from openai_frontend.generation import (
     Delta,
@@ -23,7 +29,7 @@ from openai_frontend.generation import (
     interleave,
     total_usage,
 )
-from openai_frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
+from openai_frontend.logprobs import CompletionLogprobs, chat_logprobs
 from openai_frontend.metrics import Metrics
 from openai_frontend.protocol import (
     AssistantMessage,
@@ -39,6 +45,7 @@ from openai_frontend.protocol import (
 )
 from openai_frontend.sse import ChatChunkFormat, ChunkFormat, CompletionChunkFormat, sse_events
 from openai_frontend.tokenization import Tokenization
+from openai_frontend.tools import get_tool_parser
 from openai_frontend.triton_client import EngineError, TritonLLM
 
 T = TypeVar("T")
@@ -53,10 +60,19 @@ class ClientGone(Exception):
 class Serving:
     """What the handlers share: the tokenizer, the Triton client and the counters."""
 
-    def __init__(self, tokenization: Tokenization, served_model_name: str, engine: TritonLLM | None = None):
+    def __init__(
+        self,
+        tokenization: Tokenization,
+        served_model_name: str,
+        engine: TritonLLM | None = None,
+        dump_dir: Path | None = None,
+    ):
         self.tokenization = tokenization
+        self.model_settings = ModelSettings.load(tokenization.model_path)
+        self.tool_parser = get_tool_parser(self.model_settings.tools.parser)
         self.model_name = served_model_name
         self.engine = engine  # set in the app's lifespan
+        self.dump_dir = dump_dir  # --dump: one JSON file per request
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -70,10 +86,30 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        messages = [m.template_dict() for m in body.messages]
-        prompt = self.tokenization.encode_chat(messages, body.tools, body.chat_template_kwargs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._generate(body, prompt, "chat")
+        dump = self._dump(response_id, "chat", request, body)
+        messages = [m.template_dict() for m in body.messages]
+        tools = ChatTools.of(self.tool_parser, body)
+        extra_fields: dict[str, Any] = {}
+        if tools is not None:
+            if body.response_format is not None and body.response_format.type != "text":
+                raise bad_request("response_format", "cannot be combined with tools unless tool_choice is none")
+            has_tools_section = self.tokenization.template_has_tools
+            prompt = self.tokenization.encode_chat(
+                tools.template_messages(messages, has_tools_section),
+                body.tools if has_tools_section else None,
+                body.template_kwargs(),
+            )
+            extra_fields = tools.contract_fields(messages)
+        else:
+            prompt = self.tokenization.encode_chat(messages, None, body.template_kwargs())
+        reasoning = ChatReasoning.of(self.model_settings.reasoning, self.tokenization.tokenizer, prompt)
+        streams = self._generate(body, prompt, "chat", extra_fields, self.model_settings.sampling, dump)
+        if body.stream:
+            if reasoning is not None:
+                streams = [reasoning.stream(stream) for stream in streams]
+            if tools is not None:
+                streams = [tools.stream(stream) for stream in streams]
         token_text = self.tokenization.token_text
 
         def logprobs(_: int, delta: Delta) -> dict[str, Any] | None:
@@ -81,31 +117,31 @@ class Serving:
 
         if body.stream:
             fmt = ChatChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
-            return await self._stream(body, streams, fmt, request)
+            return await self._stream(body, streams, fmt, request, dump)
         wholes = await self._until_done(body, collect_all(streams), request)
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=whole.text),
-                logprobs=logprobs(i, whole),
-                finish_reason=whole.outcome.finish_reason,
-            )
-            for i, whole in enumerate(wholes)
-        ]
+        choices = []
+        for i, whole in enumerate(wholes):
+            thinking, answer = reasoning.split(whole.text) if reasoning is not None else (None, whole.text)
+            content, calls = tools.parse(answer) if tools is not None else (answer, [])
+            message = AssistantMessage(content=content, reasoning_content=thinking, tool_calls=calls)
+            reason = finish_reason(whole.outcome.finish_reason, calls)
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs(i, whole), finish_reason=reason))
         usage = total_usage([whole.outcome for whole in wholes])
         response = ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage
         )
-        return _json(response)
+        return _json(response, [whole.outcome for whole in wholes], dump)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompt = self.tokenization.encode_prompt(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._generate(body, prompt, "completions")
+        dump = self._dump(response_id, "completions", request, body)
+        prompt = self.tokenization.encode_prompt(body.prompt)
+        streams = self._generate(body, prompt, "completions", dump=dump)
         if body.echo:
             prompt_text = self.tokenization.prompt_text(body.prompt)
-            streams = [_echoed(stream, prompt_text, prompt) for stream in streams]
+            offsets = self.tokenization.text_offsets(prompt)
+            streams = [_echoed(stream, prompt_text, offsets) for stream in streams]
         # one per choice: text offsets run on within a choice
         formatters = [CompletionLogprobs(self.tokenization.token_text) for _ in streams]
 
@@ -115,7 +151,7 @@ class Serving:
 
         if body.stream:
             fmt = CompletionChunkFormat(response_id, int(time.time()), self.model_name, body.include_usage(), logprobs)
-            return await self._stream(body, streams, fmt, request)
+            return await self._stream(body, streams, fmt, request, dump)
         wholes = await self._until_done(body, collect_all(streams), request)
         choices = [
             CompletionChoice(index=i, text=w.text, logprobs=logprobs(i, w), finish_reason=w.outcome.finish_reason)
@@ -125,24 +161,50 @@ class Serving:
         response = CompletionResponse(
             id=response_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage
         )
-        return _json(response)
+        return _json(response, [w.outcome for w in wholes], dump)
 
-    def _generate(self, body: GenerationRequest, prompt: list[int], endpoint: str) -> list[AsyncIterator[Delta]]:
+    def _generate(
+        self,
+        body: GenerationRequest,
+        prompt: list[int],
+        endpoint: str,
+        extra_fields: dict[str, Any] | None = None,
+        presets: dict[str, Any] | None = None,
+        dump: RequestDump | None = None,
+    ) -> list[AsyncIterator[Delta]]:
         """One delta stream per choice: n model requests for the same prompt tokens (the
-        model's prefix cache shares the prompt's KV blocks between them)."""
+        model's prefix cache shares the prompt's KV blocks between them). `presets`: the
+        model's sampling defaults, under the request's own values."""
         self.metrics.requests[endpoint] += 1
         stops = body.stop_strings()
         # Stop strings are matched here, so the model streams to let us cancel it early.
         fields = body.contract_fields(prompt, stream=body.stream or bool(stops))
+        fields.update(extra_fields or {})
+        if presets:
+            fields = body.with_presets(fields, presets)
         streams = []
         for index in range(body.n):
             detokenizer = self.tokenization.detokenizer(prompt)
-            text = generate_text(self.engine, body.choice_fields(fields, index), detokenizer, stops)
-            streams.append(self._observed(text))
+            choice_fields = body.choice_fields(fields, index)
+            if dump is not None:
+                dump.tensors(choice_fields)
+            text = generate_text(self.engine, choice_fields, detokenizer, stops)
+            streams.append(self._observed(text, index, dump))
         return streams
 
+    def _dump(self, response_id: str, endpoint: str, request: Request, body: GenerationRequest) -> RequestDump | None:
+        directory = self.dump_dir
+        if directory is None:
+            return None
+        return RequestDump(directory, response_id, endpoint, body.model_dump(mode="json", exclude_unset=True))
+
     async def _stream(
-        self, body: GenerationRequest, streams: list[AsyncIterator[Delta]], fmt: ChunkFormat, request: Request
+        self,
+        body: GenerationRequest,
+        streams: list[AsyncIterator[Delta]],
+        fmt: ChunkFormat,
+        request: Request,
+        dump: RequestDump | None = None,
     ) -> Response:
         # Every choice's first delta comes before the response begins: a refused request
         # still gets its HTTP status.
@@ -155,6 +217,8 @@ class Serving:
             return error
 
         events = sse_events(first, deltas, len(streams), fmt, to_error)
+        if dump is not None:
+            events = _recorded(events, dump)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _until_done(self, body: GenerationRequest, work: Awaitable[T], request: Request) -> T:
@@ -174,7 +238,9 @@ class Serving:
             log.error("generation failed", exc_info=exc)
         return server_error(str(exc) or type(exc).__name__)
 
-    async def _observed(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    async def _observed(
+        self, deltas: AsyncIterator[Delta], index: int = 0, dump: RequestDump | None = None
+    ) -> AsyncIterator[Delta]:
         """Counts a generation: running, tokens, and how it ended ("abort": client left)."""
         metrics = self.metrics
         metrics.running += 1
@@ -185,6 +251,8 @@ class Serving:
                     if delta.outcome is not None:
                         ended = True
                         self._record(delta.outcome)
+                        if dump is not None:
+                            dump.final(index, delta.outcome)
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):
             if not ended:
@@ -201,16 +269,22 @@ class Serving:
         metrics.cached_prompt_tokens += outcome.cached_tokens
 
 
-async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_ids: list[int]) -> AsyncIterator[Delta]:
-    """Completions `echo`: the prompt's text (and its logprobs, when asked) come first."""
+async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_offsets: list[int]) -> AsyncIterator[Delta]:
+    """Completions `echo`: the prompt's text (and its logprobs, when asked) come first;
+    the generated tokens' text offsets move past the prompt's text."""
     first = True
     async with aclosing(deltas):
         async for delta in deltas:
+            for entry in delta.logprobs or ():
+                if entry.offset is not None:
+                    entry.offset += len(prompt_text)
             if first:
                 first = False
                 delta.text = prompt_text + delta.text
                 if delta.prompt_logprobs is not None:
-                    delta.logprobs = prompt_entries(prompt_ids, delta.prompt_logprobs) + (delta.logprobs or [])
+                    for entry, offset in zip(delta.prompt_logprobs, prompt_offsets, strict=False):
+                        entry.offset = offset
+                    delta.logprobs = delta.prompt_logprobs + (delta.logprobs or [])
             yield delta
 
 
@@ -235,5 +309,30 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _json(model) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+FINISH_GUARD_HEADER = "x-finish-guard"
+THINKING_GUARD_HEADER = "x-thinking-guard"
+
+
+def _json(model, outcomes: list[Outcome] | None = None, dump: RequestDump | None = None) -> Response:
+    """The response; its headers name the guard that ended each choice (and the one that
+    ended its thinking, if one did), comma-separated in choice order."""
+    body = model.model_dump_json()
+    if dump is not None:
+        dump.response(json.loads(body))
+    headers = {}
+    if outcomes:
+        headers[FINISH_GUARD_HEADER] = ",".join(o.stop_guard for o in outcomes)
+        if any(o.thinking_guard for o in outcomes):
+            headers[THINKING_GUARD_HEADER] = ",".join(o.thinking_guard for o in outcomes)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+async def _recorded(events: AsyncIterator[str], dump: RequestDump) -> AsyncIterator[str]:
+    """The SSE events as they go, and into the dump once the stream is over."""
+    sent = []
+    try:
+        async for event in events:
+            sent.append(event)
+            yield event
+    finally:
+        dump.response("".join(sent))

@@ -56,7 +56,7 @@ class ChunkFormat:
         return []
 
     def text(self, index: int, text: str, finish_reason: str | None, delta: Delta | None = None) -> str:
-        choice = self._choice(index, text, finish_reason)
+        choice = self._choice(index, text, finish_reason, delta)
         if delta is not None and self._logprobs is not None:
             choice["logprobs"] = self._logprobs(index, delta)
         return self._chunk([choice])
@@ -72,7 +72,7 @@ class ChunkFormat:
             payload["usage"] = None
         return _event(payload)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -83,15 +83,19 @@ class ChatChunkFormat(ChunkFormat):
         role = {"role": "assistant", "content": ""}
         return [self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]) for i in range(n)]
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"content": text} if text else {}
+        if delta is not None and delta.reasoning:
+            message["reasoning_content"] = delta.reasoning
+        if delta is not None and delta.tool_calls:
+            message["tool_calls"] = delta.tool_calls
+        return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
 
 
 class CompletionChunkFormat(ChunkFormat):
     object = "text_completion"
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
@@ -113,7 +117,7 @@ async def sse_events(
                 if delta.outcome is not None:
                     outcomes[index] = delta.outcome
                     yield fmt.text(index, delta.text, delta.outcome.finish_reason, delta)
-                elif delta.text or delta.logprobs:
+                elif delta.text or delta.logprobs or delta.tool_calls or delta.reasoning:
                     yield fmt.text(index, delta.text, None, delta)
             if len(outcomes) < n:
                 raise EngineError("a choice ended without an outcome")

@@ -45,6 +45,13 @@ class Tokenization:
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return list(ids)
 
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else the frontend prompts for them)."""
+        template = self.tokenizer.chat_template
+        texts = template.values() if isinstance(template, dict) else [template or ""]
+        return any("tools" in text for text in texts)
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt: token ids as given, text with the tokenizer's BOS policy."""
         if isinstance(prompt, str):
@@ -64,6 +71,16 @@ class Tokenization:
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A completions prompt as text (echo)."""
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def text_offsets(self, token_ids: list[int]) -> list[int]:
+        """Where each token's text begins in the decode of all of them (a token that
+        completes a multi-byte character begins where the character does)."""
+        detokenizer = IncrementalDetokenizer(self._decode)
+        offsets, produced = [], 0
+        for token in token_ids:
+            offsets.append(produced)
+            produced += len(detokenizer.feed([token]))
+        return offsets
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._decode, context=prompt_ids)

@@ -21,6 +21,7 @@ _FIELD_ERROR = re.compile(r"^\s*(\w+): ")
 _FINAL_OUTPUTS = (
     "finish_reason",
     "stop_guard",
+    "thinking_guard",
     "prompt_token_count",
     "completion_token_count",
     "cached_prompt_tokens",
@@ -28,7 +29,14 @@ _FINAL_OUTPUTS = (
     "time_to_first_token_ms",
     "decode_time_ms",
 )
-_LOGPROB_OUTPUTS = ("token_logprobs", "top_logprob_ids", "top_logprob_values", "prompt_logprobs")
+_LOGPROB_OUTPUTS = (
+    "token_logprobs",
+    "top_logprob_ids",
+    "top_logprob_values",
+    "prompt_logprobs",
+    "prompt_top_logprob_ids",
+    "prompt_top_logprob_values",
+)
 _REQUESTED_OUTPUTS = [
     grpcclient.InferRequestedOutput(name) for name in ("token_ids", *_LOGPROB_OUTPUTS, *_FINAL_OUTPUTS)
 ]
@@ -48,7 +56,8 @@ class Finish:
     """The final event of a request, as the model reports it."""
 
     reason: str
-    stop_guard: str = ""
+    stop_guard: str = ""  # the guard that ended the sequence (eos, max_tokens, content_loop, deadline, ...)
+    thinking_guard: str = ""  # the guard that ended its thinking (thinking_budget, thinking_loop), if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -64,6 +73,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None: the first prompt token, which nothing predicts
     top: list[tuple[int, float]]
+    offset: int | None = None  # where the token's text begins in its text (set by the frontend)
 
 
 @dataclass(slots=True)
@@ -73,7 +83,8 @@ class TokenPack:
     token_ids: list[int]
     finish: Finish | None = None
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
-    prompt_logprobs: list[float | None] | None = None  # once, with the first token
+    # once, with the first token: one entry per prompt token (the first has logprob None)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TritonLLM:
@@ -108,7 +119,7 @@ class TritonLLM:
             async for result, error in call:
                 if error is not None:
                     raise engine_error(error.message())
-                pack = _token_pack(result)
+                pack = _token_pack(result, fields["prompt_tokens"])
                 finished = pack.finish is not None
                 yield pack
                 if finished:
@@ -160,29 +171,35 @@ def _bad_field(fields: dict[str, Any]) -> str | None:
     return None
 
 
-def _token_pack(result) -> TokenPack:
+def _token_pack(result, prompt_ids: list[int]) -> TokenPack:
     tokens = result.as_numpy("token_ids")
     token_ids = tokens.tolist() if tokens is not None else []
     params = result.get_response().parameters
     final = "triton_final_response" in params and params["triton_final_response"].bool_param
-    return TokenPack(token_ids, _finish(result) if final else None, *_logprobs(result, token_ids))
+    logprobs = _entries(result, token_ids, "token_logprobs", "top_logprob_ids", "top_logprob_values")
+    return TokenPack(token_ids, _finish(result) if final else None, logprobs, _prompt_entries(result, prompt_ids))
 
 
-def _logprobs(result, token_ids: list[int]) -> tuple[list[TokenLogprob] | None, list[float | None] | None]:
-    values = result.as_numpy("token_logprobs")
-    logprobs = None
-    if values is not None:
-        ids = result.as_numpy("top_logprob_ids")
-        tops = result.as_numpy("top_logprob_values")
-        logprobs = []
-        for i, (token, value) in enumerate(zip(token_ids, values.reshape(-1).tolist(), strict=False)):
-            top = list(zip(ids[i].tolist(), tops[i].tolist(), strict=True)) if ids is not None else []
-            logprobs.append(TokenLogprob(token, value, top))
-    prompt = result.as_numpy("prompt_logprobs")
-    prompt_logprobs = None
-    if prompt is not None:
-        prompt_logprobs = [None if math.isnan(v) else v for v in prompt.reshape(-1).tolist()]
-    return logprobs, prompt_logprobs
+def _entries(result, token_ids: list[int], values_name: str, ids_name: str, tops_name: str):
+    """Logprob entries of `token_ids` from a response's outputs; None when absent. The
+    token ids of prompt entries are filled in by the caller (-1 here when unknown)."""
+    values = result.as_numpy(values_name)
+    if values is None:
+        return None
+    ids = result.as_numpy(ids_name)
+    tops = result.as_numpy(tops_name)
+    entries = []
+    for i, value in enumerate(values.reshape(-1).tolist()):
+        top = []
+        if ids is not None:
+            top = [(t, v) for t, v in zip(ids[i].tolist(), tops[i].tolist(), strict=True) if t >= 0]
+        token = token_ids[i] if i < len(token_ids) else -1
+        entries.append(TokenLogprob(token, None if math.isnan(value) else value, top))
+    return entries
+
+
+def _prompt_entries(result, prompt_ids: list[int]) -> list[TokenLogprob] | None:
+    return _entries(result, prompt_ids, "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprob_values")
 
 
 def _finish(result) -> Finish:
@@ -197,6 +214,7 @@ def _finish(result) -> Finish:
     return Finish(
         reason=values["finish_reason"],
         stop_guard=values.get("stop_guard", ""),
+        thinking_guard=values.get("thinking_guard", ""),
         prompt_tokens=int(values.get("prompt_token_count", 0)),
         completion_tokens=int(values.get("completion_token_count", 0)),
         cached_tokens=int(values.get("cached_prompt_tokens", 0)),

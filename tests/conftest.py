@@ -13,6 +13,7 @@ Markers (`e2e`, `slow`, `gpu`) are registered in pyproject.toml.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,6 +26,15 @@ from launcher.layout import default_model_path
 def model_path():
     """$MODEL if set, else the default model (converted on first use)."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def thinking_model_path(model_path):
+    """The reasoning variant of the default model (tests/thinking_model.py), built once
+    into build/ and reused."""
+    from tests.thinking_model import build_thinking_model
+
+    return build_thinking_model(Path(__file__).resolve().parent.parent / "build" / "models" / "SmolLM2-thinking")
 
 
 @pytest.fixture(scope="session")

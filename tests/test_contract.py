@@ -64,7 +64,7 @@ def test_none_fields_are_left_out():
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("num_beams", 4), ("loop_min_count", 3), ("images", [b"\x89PNG"]), ("grammar_kind", b"json")],
+    [("num_beams", 4), ("session_hash", b"abc"), ("images", [b"\x89PNG"]), ("adapter_slot", 2)],
 )
 def test_unimplemented_field_with_a_non_default_value_is_rejected(name, value):
     arrays = encode_request({"prompt_tokens": [1], name: value})

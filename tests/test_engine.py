@@ -135,3 +135,108 @@ def test_penalized_rows_in_a_batch_equal_each_row_alone(engine, prompts):
     alone = [engine.generate([p], sp)[0] for p, sp in zip(chosen, params, strict=True)]
     assert engine.generate(chosen, params) == alone
     assert alone[0] != engine.generate([chosen[0]], GREEDY)[0][:16]  # and the penalty did something
+
+
+def test_dry_breaker_strings_become_the_tokens_that_hold_them(engine, tokenizer, prompts):
+    """DRY's breakers come as strings (llama.cpp's by default); a token breaks a repeat
+    when its text holds one."""
+    default = EngineRequest("dry-default", prompts[0], SamplingParams(max_tokens=1, dry_multiplier=0.8))
+    custom = SamplingParams(max_tokens=1, dry_multiplier=0.8, dry_breaker_strings=("zebra",))
+    engine.add_request(default)
+    engine.add_request(EngineRequest("dry-custom", prompts[0], custom))
+    while engine.has_unfinished_requests():
+        engine.step()
+    newline, colon = tokenizer.encode("\n")[0], tokenizer.encode(":")[0]
+    ids = set(default.sampling.dry_sequence_breakers)
+    assert {newline, colon} <= ids and all(any(b in tokenizer.decode([i]) for b in '\n:"*') for i in ids)
+    zebra = [tokenizer.decode([i]) for i in custom.dry_sequence_breakers]
+    assert zebra and all("zebra" in text for text in zebra) and newline not in custom.dry_sequence_breakers
+
+
+def _run_all(engine, requests):
+    for request in requests:
+        engine.add_request(request)
+    tokens = {r.request_id: [] for r in requests}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.final is not None:
+                finals[out.request_id] = out.final
+    return tokens, finals
+
+
+def test_grammar_rows_follow_their_schema_and_leave_their_neighbours_alone(engine, tokenizer, prompts, solo):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 30}, "n": {"type": "integer", "minimum": 3}},
+        "required": ["answer", "n"],
+    }
+    question = tokenizer.apply_chat_template(
+        [{"role": "user", "content": 'Reply with a JSON object with keys "answer" and "n": what is 2 + 2?'}],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=120)
+    requests = [
+        EngineRequest(
+            "json",
+            question,
+            SamplingParams(temperature=0.0, max_tokens=120),
+            grammar_kind="json_schema",
+            grammar_spec=json.dumps(schema),
+        ),
+        EngineRequest("json-sampled", question, sampled, grammar_kind="json_schema", grammar_spec=json.dumps(schema)),
+        EngineRequest("object", question, SamplingParams(temperature=0.0, max_tokens=200), grammar_kind="json_object"),
+        EngineRequest("free-0", prompts[0], GREEDY),
+        EngineRequest("free-4", prompts[4], GREEDY),
+    ]
+    tokens, finals = _run_all(engine, requests)
+    for rid in ("json", "json-sampled"):
+        assert finals[rid].stop_guard is StopGuard.EOS
+        jsonschema.validate(json.loads(tokenizer.decode(tokens[rid])), schema)
+    assert finals["object"].stop_guard is StopGuard.EOS, tokenizer.decode(tokens["object"])
+    assert isinstance(json.loads(tokenizer.decode(tokens["object"])), dict)
+    assert tokens["free-0"] == solo[0] and tokens["free-4"] == solo[4]
+
+
+def test_a_grammar_that_does_not_compile_is_refused_naming_the_spec(engine, prompts):
+    bad = EngineRequest("bad-grammar", prompts[0], GREEDY, grammar_kind="json_schema", grammar_spec='{"type": 12}')
+    with pytest.raises(ContractError) as info:
+        engine.add_request(bad)
+    assert info.value.field == "grammar_spec"
+    with pytest.raises(ContractError) as info:
+        engine.add_request(EngineRequest("bad-kind", prompts[0], GREEDY, grammar_kind="yaml"))
+    assert info.value.field == "grammar_kind"
+    assert not engine.has_unfinished_requests()
+
+
+def test_tool_guards_require_and_suppress_the_call_trigger(engine, tokenizer):
+    """require_tool_call holds EOS back until the output writes `<tool_call>`;
+    suppress_tool_call never lets it be written (the default model's trigger is 5 tokens)."""
+    trigger = tokenizer.encode("<tool_call>", add_special_tokens=False)
+    prompt = tokenizer.encode("To call a tool, write <tool_call>. Now call it: <tool_call>. Again: <tool_call>. Again:")
+    greedy = dict(temperature=0.0, max_tokens=40)
+    bias = dict(logit_bias_ids=tuple(trigger), logit_bias_values=(5.0,) * len(trigger))
+    tokens, _ = _run_all(
+        engine,
+        [
+            EngineRequest("suppressed", prompt, SamplingParams(**greedy, **bias, suppress_tool_call=True)),
+            EngineRequest("free", prompt, SamplingParams(**greedy, **bias)),
+            EngineRequest("required", prompt, SamplingParams(temperature=0.0, max_tokens=3, require_tool_call=True)),
+        ],
+    )
+
+    triggers = [list(t) for t in engine.tool_guards.triggers]  # "<tool_call>" and " <tool_call>"
+    assert trigger in triggers and len(triggers) == 2
+
+    def opens_call(ids):
+        return any(ids[i : i + len(t)] == t for t in triggers for i in range(len(ids)))
+
+    assert opens_call(tokens["free"])  # the biased prompt does write the trigger...
+    assert not opens_call(tokens["suppressed"])  # ...unless suppressed
+    assert engine.eos_token_ids[0] not in tokens["required"]

@@ -230,14 +230,16 @@ def test_chat_features_map_to_their_inputs_and_back():
     body = ChatCompletionRequest(
         messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         response_format={"type": "json_object"},
-        tools=[{"type": "function", "function": {"name": "f"}}],
         logit_bias={"5": 1.0},
     )
     fields = body.contract_fields([1], stream=False)
-    assert fields["grammar_kind"] == "json_object" and fields["tools_present"] is True
+    assert fields["grammar_kind"] == "json_object"
     assert fields["logit_bias_ids"] == [5] and fields["logit_bias_values"] == [1.0]
     assert body.param_of("grammar_kind") == "response_format"
     assert body.param_of("tools_present") == "tools"
+    # with tools (and a tool_choice other than none) the grammar is the tools'
+    with_tools = body.model_copy(update={"tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert with_tools.param_of("grammar_spec") == "tools"
     assert body.param_of("prompt_tokens") == "messages"
     assert body.messages[0].template_dict() == {"role": "user", "content": "a\nb"}
 
@@ -381,6 +383,18 @@ def test_stop_string_cuts_and_cancels(app, tokenization):
     assert engine.cancelled == 1 and engine.requests[0]["stream"] is True
 
 
+def test_stop_string_inside_a_pack_drops_the_later_tokens_and_their_logprobs(app, tokenization):
+    ids = _answer_ids(tokenization, "one two three four five six")
+    engine = FakeEngine(ids, pack_size=len(ids))  # all in one pack: the cut falls inside it
+    body = {"prompt": "count", "stop": [" thr"], "logprobs": 1, "max_tokens": 20}
+    choice_and_usage = asyncio.run(_post(app, engine, "/v1/completions", body)).json()
+    choice = choice_and_usage["choices"][0]
+    assert choice["text"] == "one two" and choice["finish_reason"] == "stop"
+    # the logprobs run to the token that completed the stop string (" three"), as vLLM's
+    assert choice["logprobs"]["tokens"] == ["one", " two", " three"]
+    assert choice_and_usage["usage"]["completion_tokens"] == 3
+
+
 def test_model_refusal_becomes_400_naming_the_field(app):
     engine = FakeEngine([], error=engine_error("dry_multiplier: advanced samplers are not supported"))
     body = {"messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.5, "stream": True}
@@ -441,7 +455,12 @@ def _fake_logprobs(fields, ids, i, size):
         k = fields.get("top_logprobs") or 0
         logprobs = [TokenLogprob(t, -t / 1000, [(t + j, -(t + j) / 1000) for j in range(k)]) for t in ids[i : i + size]]
     if fields.get("echo") and i == 0:
-        prompt = [None] + [-t / 1000 for t in fields["prompt_tokens"][1:]]
+        k = fields.get("prompt_logprobs") or 0
+        prompt_ids = fields["prompt_tokens"]
+        prompt = [TokenLogprob(prompt_ids[0], None, [])]
+        prompt += [
+            TokenLogprob(t, -t / 1000, [(t + 1 + j, -(t + 1 + j) / 1000) for j in range(k)]) for t in prompt_ids[1:]
+        ]
     return logprobs, prompt
 
 
@@ -470,6 +489,15 @@ def test_completions_echo_streams_the_prompt_and_its_logprobs_first(app, tokeniz
     prompt_len = len(engine.requests[0]["prompt_tokens"])
     assert values[0] is None and len(values) == prompt_len + len(engine.token_ids)
     assert offsets == sorted(offsets) and logprobs[0]["top_logprobs"][0] is None
+    # the prompt's positions carry as many alternatives as the generated tokens (and the token)
+    assert engine.requests[0]["prompt_logprobs"] == 1
+    tops = [top for lp in logprobs for top in lp["top_logprobs"]]
+    assert all(len(top) == 2 for top in tops[1:prompt_len])
+    # each token's text begins at its offset in the echoed text (but the fake's EOS,
+    # which is sent as a token and has no text)
+    tokens = [t for lp in logprobs for t in lp["tokens"]][:-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert all(text.startswith(token, offset) for token, offset in zip(tokens, offsets, strict=False))
 
 
 # ---------------------------------------------------------------------------
@@ -553,3 +581,120 @@ def test_closing_the_interleaved_choices_cancels_every_request(tokenization):
 
     asyncio.run(run())
     assert len(engine.requests) == 3 and engine.cancelled == 3
+
+
+# ---------------------------------------------------------------------------
+# tool calling and structured output through the app (fake engine)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _chat_body(**extra):
+    return {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER], **extra}
+
+
+def test_tool_call_comes_back_as_tool_calls(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, CALL_TEXT), reason="stop")
+    data = asyncio.run(_post(app, engine, "/v1/chat/completions", _chat_body())).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    fields = engine.requests[0]
+    assert fields["tools_present"] is True and fields["grammar_kind"] == "structural_tag"
+    assert fields.get("require_tool_call") is None  # "auto": text may come instead
+    # the default model's template has no tools section: the tools went into the system prompt
+    prompt = tokenization.tokenizer.decode(fields["prompt_tokens"])
+    assert "get_weather" in prompt and "<tool_call>" in prompt
+
+
+@pytest.mark.parametrize("pack_size", [1, 3, 100])
+def test_streamed_tool_call_deltas_add_up_to_the_whole_call(app, tokenization, pack_size):
+    engine = FakeEngine(_answer_ids(tokenization, CALL_TEXT), pack_size=pack_size, reason="stop")
+    chunks = _sse_payloads(asyncio.run(_post(app, engine, "/v1/chat/completions", _chat_body(stream=True))).text)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert content == "Let me look."
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert all(tc["index"] == 0 for tc in calls)
+    assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Paris"}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_required_and_named_force_a_call(app, tokenization):
+    engine = FakeEngine(_answer_ids(tokenization, CALL_TEXT), reason="stop")
+    asyncio.run(_post(app, engine, "/v1/chat/completions", _chat_body(tool_choice="required")))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asyncio.run(_post(app, engine, "/v1/chat/completions", _chat_body(tool_choice=named)))
+    asyncio.run(_post(app, engine, "/v1/chat/completions", _chat_body(tool_choice="none")))
+    required, forced, none = engine.requests
+    assert required["require_tool_call"] is True and forced["require_tool_call"] is True
+    assert required["grammar_spec"] != forced["grammar_spec"]
+    assert "grammar_kind" not in none and "tools_present" not in none
+
+
+def test_a_repeated_tool_call_is_suppressed(app, tokenization):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    for i in range(3):
+        turns.append({"role": "assistant", "content": None, "tool_calls": [{**call, "id": f"call_{i}"}]})
+        turns.append({"role": "tool", "tool_call_id": f"call_{i}", "content": "sunny"})
+    engine = FakeEngine(_answer_ids(tokenization, "It is sunny."), reason="stop")
+    body = {"messages": turns, "tools": [WEATHER]}
+    data = asyncio.run(_post(app, engine, "/v1/chat/completions", body)).json()
+    assert data["choices"][0]["message"]["content"] == "It is sunny."
+    assert engine.requests[0]["suppress_tool_call"] is True
+    # the earlier calls were written back into the assistant turns, in the call format
+    prompt = tokenization.tokenizer.decode(engine.requests[0]["prompt_tokens"])
+    assert prompt.count('"name": "get_weather", "arguments": {"city": "Paris"}') == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ],
+)
+def test_bad_tools_and_formats_are_400_naming_the_field(app, extra, param):
+    engine = FakeEngine([])
+    body = {"messages": [{"role": "user", "content": "x"}], **extra}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert engine.requests == []
+
+
+def test_response_format_travels_as_a_grammar(app, tokenization):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    engine = FakeEngine(_answer_ids(tokenization, '{"a": 1}'), reason="stop")
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    data = asyncio.run(_post(app, engine, "/v1/chat/completions", body)).json()
+    assert data["choices"][0]["message"]["content"] == '{"a": 1}'
+    fields = engine.requests[0]
+    assert fields["grammar_kind"] == "json_schema" and json.loads(fields["grammar_spec"]) == schema
+    asyncio.run(_post(app, engine, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}}))
+    assert engine.requests[1]["grammar_kind"] == "json_object"
+
+
+def test_a_grammar_the_model_refuses_is_400_naming_response_format(app):
+    engine = FakeEngine([], error=engine_error("grammar_spec: xgrammar cannot compile this schema"))
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"

@@ -115,11 +115,17 @@ def test_prompt_logprobs_match_transformers_even_after_caching(engine, hf, promp
 
 
 def test_prompt_logprobs_through_chunked_prefill(model_path, hf, prompt):
+    """Prompt logprobs and their top-4 alternatives, the prompt computed 7 tokens a step."""
     engine = LLMEngine(EngineConfig(model_path=model_path, max_num_batched_tokens=7))
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True, prompt_top_logprobs=4)
     outputs = _run(engine, "chunked", prompt, params)
-    values = outputs[0].prompt_logprobs
+    values, tops = outputs[0].prompt_logprobs, outputs[0].prompt_top_logprobs
     ref = _hf_logprobs(hf, prompt)
-    assert len(values) == len(prompt)
+    assert len(values) == len(tops) == len(prompt) and tops[0] == ([], [])
     for p in range(1, len(prompt)):
         assert abs(values[p] - ref[p - 1][prompt[p]].item()) < TOL, p
+        ids, top_values = tops[p]
+        assert len(ids) == 4 and top_values == sorted(top_values, reverse=True)
+        assert top_values == pytest.approx(ref[p - 1].topk(4).values.tolist(), abs=TOL)
+        for tid, value in zip(ids, top_values, strict=True):  # ties may swap places
+            assert abs(ref[p - 1][tid].item() - value) < TOL

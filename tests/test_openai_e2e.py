@@ -233,8 +233,13 @@ def test_disconnect_before_a_non_streaming_reply_cancels_the_request(stack, clie
     [
         ({"temperature": -1}, openai.BadRequestError, "temperature"),
         ({"n": 9}, openai.BadRequestError, "n"),
-        ({"extra_body": {"loop_min_count": 3}}, openai.BadRequestError, "loop_min_count"),  # not built yet
-        ({"extra_body": {"loop_min_count": 3}, "stream": True}, openai.BadRequestError, "loop_min_count"),
+        ({"extra_body": {"num_beams": 3}}, openai.BadRequestError, "num_beams"),  # not built yet
+        ({"extra_body": {"num_beams": 3}, "stream": True}, openai.BadRequestError, "num_beams"),
+        (
+            {"extra_body": {"repetition_detection": {"min_pattern_size": 5, "max_pattern_size": 2, "min_count": 3}}},
+            openai.BadRequestError,
+            "repetition_detection.max_pattern_size",
+        ),
         ({"extra_body": {"dry_multiplier": -1}}, openai.BadRequestError, "dry_multiplier"),
         ({"presence_penalty": 3}, openai.BadRequestError, "presence_penalty"),
         ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias"),
@@ -314,8 +319,12 @@ def test_completions_echo_with_logprobs(client, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
-    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[reply.usage.prompt_tokens :])
+    # prompt positions too get 2 alternatives (3 entries when the token is not among them)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
+    assert all(
+        choice.text.startswith(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True) if t != "<|im_end|>"
+    )
     # the prompt was just computed: a cached prompt still gets every position's logprob
     again = client.completions.create(model=model, prompt=STORY, max_tokens=4, temperature=0, logprobs=2, echo=True)
     assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)

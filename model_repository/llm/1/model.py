@@ -101,6 +101,7 @@ class TritonPythonModel:
         try:
             values = contract.decode_request({t.name(): t.as_numpy() for t in request.inputs()})
             engine_request = _engine_request(request_id, values)
+            self._engine_thread.prepare(engine_request)
         except contract.ContractError as exc:
             _send_quietly(sender, _error_response(exc), FINAL)
             return
@@ -191,7 +192,16 @@ def _engine_request(request_id: str, values: dict) -> EngineRequest:
         sampling=sampling_from_fields(values),
         tenant=values["lookup_tenant"].decode(errors="replace"),
         adapter=values["adapter_slot"],
+        grammar_kind=_text(values, "grammar_kind"),
+        grammar_spec=_text(values, "grammar_spec"),
     )
+
+
+def _text(values: dict, name: str) -> str:
+    try:
+        return values[name].decode()
+    except UnicodeDecodeError as exc:
+        raise contract.ContractError(name, f"must be UTF-8 text: {exc}") from None
 
 
 # -- responses -----------------------------------------------------------------
@@ -223,18 +233,26 @@ def _logprob_tensors(packet: Packet) -> list[pb_utils.Tensor]:
     if packet.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in packet.prompt_logprobs]
         tensors.append(_tensor("prompt_logprobs", values))
+    if packet.prompt_top_logprobs is not None:
+        # the first position has no alternatives: its row is padded (-1, NaN)
+        k = max(len(ids) for ids, _ in packet.prompt_top_logprobs)
+        tensors.append(_tensor("prompt_top_logprob_ids", [ids or [-1] * k for ids, _ in packet.prompt_top_logprobs]))
+        values = [vals or [math.nan] * k for _, vals in packet.prompt_top_logprobs]
+        tensors.append(_tensor("prompt_top_logprob_values", values))
     return tensors
 
 
 def _final_tensors(final: FinalStats) -> list[pb_utils.Tensor]:
     guard = final.stop_guard.value if final.stop_guard is not None else ""
+    thinking_guard = final.thinking_guard.value if final.thinking_guard is not None else ""
     return [
         _tensor("finish_reason", [final.finish_reason.value.encode()]),
         _tensor("stop_guard", [guard.encode()]),
+        _tensor("thinking_guard", [thinking_guard.encode()]),
         _tensor("prompt_token_count", [final.prompt_tokens]),
         _tensor("completion_token_count", [final.completion_tokens]),
         _tensor("cached_prompt_tokens", [final.cached_prompt_tokens]),
-        _tensor("reasoning_tokens", [0]),
+        _tensor("reasoning_tokens", [final.reasoning_tokens]),
         _tensor("accepted_spec_tokens", [0]),
         _tensor("time_to_first_token_ms", [final.time_to_first_token_s * 1000.0]),
         _tensor("decode_time_ms", [final.decode_time_s * 1000.0]),
