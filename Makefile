@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
-.PHONY: setup serve test test-fast bench lint format clean
+.PHONY: setup serve test test-fast bench soak lint format clean
 
 setup: $(STAMP)
 	$(PY) -m launcher setup
@@ -28,6 +28,10 @@ test-fast: $(STAMP)
 
 bench: setup
 	$(PY) -m bench
+
+# Minutes of mixed two-tenant load, then leak checks; report in build/soak/ (SOAK_MINUTES, SOAK_USERS).
+soak: setup
+	$(PY) -m loadtest.soak
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

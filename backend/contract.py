@@ -165,6 +165,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     _scalar("accepted_spec_tokens", "int32"),
     _scalar("time_to_first_token_ms", "float32"),
     _scalar("decode_time_ms", "float32"),
+    _scalar("queue_time_ms", "float32"),  # arrival in the engine -> first scheduled
 )
 
 INPUTS_BY_NAME = {s.name: s for s in INPUTS}

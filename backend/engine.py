@@ -23,7 +23,7 @@ from backend.request import (
     StopGuard,
 )
 from backend.sampler import SamplingRow
-from backend.scheduler import Scheduler
+from backend.scheduler import Scheduler, SchedulerOutput
 from backend.sequence import Sequence
 from backend.thinking import LoopLimits, Markers, SequenceGuards
 from backend.tool_guards import ToolGuards
@@ -139,6 +139,14 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
 
+    def num_running(self) -> int:
+        """Sequences admitted to the batch (vLLM's num_requests_running)."""
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        """Sequences queued for admission, preempted ones included (num_requests_waiting)."""
+        return len(self.scheduler.waiting)
+
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -149,6 +157,7 @@ class LLMEngine:
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
             return outputs
+        _note_first_scheduled(plan, time.monotonic())
         completing = [item for item in plan.scheduled if item.completes]
         rows = [self._sampling_row(item.seq) for item in completing]
         result = self.runner.execute(plan.scheduled, rows)
@@ -247,6 +256,7 @@ class LLMEngine:
             decode_time_s=(now - first) if first is not None else 0.0,
             reasoning_tokens=seq.guards.thinking_tokens if seq.guards is not None else 0,
             thinking_guard=seq.guards.thinking_guard if seq.guards is not None else None,
+            queue_time_s=(seq.first_scheduled_time or now) - arrival,  # never scheduled: it waited throughout
         )
         return RequestOutput(seq.request_id, emitted, stats)
 
@@ -264,6 +274,13 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+
+def _note_first_scheduled(plan: SchedulerOutput, now: float) -> None:
+    """A sequence's queue time ends with its first step; a preempted one keeps its first."""
+    for item in plan.scheduled:
+        if item.seq.first_scheduled_time is None:
+            item.seq.first_scheduled_time = now
 
 
 def _attach_logprobs(out: RequestOutput, seq: Sequence, token_lp: TokenLogprobs | None) -> None:

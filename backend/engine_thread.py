@@ -44,6 +44,9 @@ class EngineSnapshot:
     requests_in_flight: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    requests_running: int = 0  # in the batch
+    requests_waiting: int = 0  # queued for the batch (preempted ones included)
+    num_preemptions: int = 0  # since start
 
     @property
     def kv_blocks_used(self) -> int:
@@ -208,4 +211,7 @@ class EngineThread:
             requests_in_flight=len(self._in_flight),
             kv_blocks_free=self._engine.num_free_blocks(),
             kv_blocks_total=self._engine.num_total_blocks(),
+            requests_running=self._engine.num_running(),
+            requests_waiting=self._engine.num_waiting(),
+            num_preemptions=self._engine.num_preemptions,
         )

@@ -181,6 +181,7 @@ class FinalStats:
     decode_time_s: float
     reasoning_tokens: int = 0
     thinking_guard: StopGuard | None = None  # the guard that ended thinking, if one did
+    queue_time_s: float = 0.0  # arrival -> first scheduled (vLLM's queue time)
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already in the prefix cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step: its queue time ends
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     stop_guard: StopGuard | None = None

@@ -2,5 +2,6 @@
 
 from launcher.procs import StartupError
 from launcher.stack import Frontend, Stack, TritonPorts, TritonServer
+from launcher.watchdog import Watchdog
 
-__all__ = ["Frontend", "Stack", "StartupError", "TritonPorts", "TritonServer"]
+__all__ = ["Frontend", "Stack", "StartupError", "TritonPorts", "TritonServer", "Watchdog"]

@@ -2,12 +2,14 @@
 
 serve: tritonserver (model `llm`) and the OpenAI frontend on loopback, until Ctrl-C or
 SIGTERM; then the frontend stops first, tritonserver second, and leftover backend
-stubs are reaped. Exits non-zero if a process dies.
+stubs are reaped. If the model's stub or tritonserver dies, tritonserver is restarted
+(launcher.watchdog); exits non-zero if the frontend dies or a restart fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 from launcher.layout import SetupError, check_numpy_abi, default_model_path, find_triton
 from launcher.procs import StartupError
 from launcher.stack import Stack, TritonPorts
+from launcher.watchdog import Watchdog
 
 
 class _Terminated(Exception):
@@ -39,9 +42,27 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_if_exposed(host: str) -> None:
+    """Beyond loopback, anyone who reaches the port can use the API unless keys are set."""
+    if os.environ.get("API_KEYS") or os.environ.get("API_KEYS_FILE"):
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not loopback:
+        print(
+            f"WARNING: serving on {host} without API keys: anyone who reaches this port can use the API. "
+            "Set API_KEYS or API_KEYS_FILE (README: Tenants and limits).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     find_triton()
     model = default_model_path(args.model)
+    _warn_if_exposed(args.host)
     signal.signal(signal.SIGTERM, _on_sigterm)
     stack = Stack(
         model,
@@ -71,14 +92,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _watch(stack: Stack) -> int:
-    """Block until a process exits (an error: report it) or a signal arrives."""
+    """Block until the frontend exits (an error: report it), a restart of tritonserver
+    fails (StartupError, reported by main) or a signal arrives. The watchdog runs here,
+    on the main thread, which outlives every server it starts."""
+    watchdog = Watchdog(stack.triton)
     while True:
-        for proc in stack.processes():
-            code = proc.poll()
-            if code is not None:
-                print(f"error: {proc.name} exited with status {code}; stopping", file=sys.stderr, flush=True)
-                return 1
-        time.sleep(0.5)
+        frontend = stack.frontend.process if stack.frontend else None
+        code = frontend.poll() if frontend else None
+        if code is not None:
+            print(f"error: {frontend.name} exited with status {code}; stopping", file=sys.stderr, flush=True)
+            return 1
+        watchdog.check()
+        time.sleep(watchdog.interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:

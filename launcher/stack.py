@@ -3,7 +3,9 @@
     with Stack(model_path) as stack:          # free loopback ports
         OpenAI(base_url=stack.base_url, ...)
 
-Start-up fails fast (StartupError, with the log's tail) if a process dies. Stopping
+Start-up fails fast (StartupError, with the log's tail) if a process dies.
+`Stack(supervise=True)` also runs a launcher.watchdog.Watchdog thread: a dead model
+stub (or server) gets tritonserver restarted on the same ports. Stopping
 is ordered: the model drains (live requests end with their finals), the frontend
 stops, then tritonserver (SIGTERM, short exit timeout), then any Python backend stub
 that outlived it is killed and its shm file removed.
@@ -33,10 +35,12 @@ from launcher.procs import (
     Stub,
     find_stubs,
     free_port,
+    http_ok,
     reap_stubs,
     signal_stubs,
     wait_http_ok,
 )
+from launcher.watchdog import Watchdog
 
 LOG_DIR = BUILD_DIR / "logs"
 LOOPBACK = "127.0.0.1"
@@ -65,8 +69,9 @@ class TritonPorts:
         return cls(pick("TRITON_HTTP_PORT"), pick("TRITON_GRPC_PORT"), pick("TRITON_METRICS_PORT"))
 
 
-def _log_path(log_dir: Path | None, name: str, port: int) -> Path | None:
-    return None if log_dir is None else log_dir / f"{name}-{os.getpid()}-{port}.log"
+def _log_path(log_dir: Path | None, name: str, port: int, restart: int = 0) -> Path | None:
+    suffix = f"-restart{restart}" if restart else ""
+    return None if log_dir is None else log_dir / f"{name}-{os.getpid()}-{port}{suffix}.log"
 
 
 class TritonServer:
@@ -89,11 +94,13 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.process: ManagedProcess | None = None
+        self.restarts = 0
         self._stubs: dict[int, Stub] = {}
 
     http_url = property(lambda self: f"http://{LOOPBACK}:{self.ports.http}")
     grpc_url = property(lambda self: f"{LOOPBACK}:{self.ports.grpc}")
     metrics_url = property(lambda self: f"http://{LOOPBACK}:{self.ports.metrics}/metrics")
+    ready_url = property(lambda self: f"{self.http_url}/v2/models/{MODEL_NAME}/ready")
 
     def argv(self, install: TritonInstall) -> list[str]:
         p = self.ports
@@ -117,11 +124,10 @@ class TritonServer:
         env.update(self.extra_env)
         env["LLM_MODEL_PATH"] = str(self.model_path)
         env["LLM_SOURCE_ROOT"] = str(REPO_ROOT)
-        log = _log_path(self.log_dir, "tritonserver", self.ports.grpc)
+        log = _log_path(self.log_dir, "tritonserver", self.ports.grpc, self.restarts)
         self.process = ManagedProcess("tritonserver", self.argv(install), env, REPO_ROOT, log)
         try:
-            ready = f"{self.http_url}/v2/models/{MODEL_NAME}/ready"
-            wait_http_ok(ready, [self.process], self.startup_timeout_s, f"model {MODEL_NAME!r}")
+            wait_http_ok(self.ready_url, [self.process], self.startup_timeout_s, f"model {MODEL_NAME!r}")
         except BaseException:
             self.stop()
             raise
@@ -141,6 +147,25 @@ class TritonServer:
         self.process.stop(timeout=self.exit_timeout_s + 3)
         reap_stubs(list(self._stubs.values()))
         self.process = None
+
+    def restart(self) -> TritonServer:
+        """Kill the server at once (its model is dead: nothing to drain, and a hung
+        request would hold a SIGTERM for --exit-timeout-secs), then start it again on the
+        same ports. Requests in flight get a broken gRPC stream, not a hang."""
+        if self.process is not None:
+            self.process.stop(timeout=0)
+            reap_stubs(list(self._stubs.values()))
+            self._stubs.clear()
+            self.process = None
+        self.restarts += 1
+        return self.start()
+
+    def has_stub(self) -> bool:
+        """Whether the model's Python backend stub runs (Triton's readiness does not say)."""
+        return self.process is not None and bool(find_stubs(self.process.pid))
+
+    def is_model_ready(self) -> bool:
+        return http_ok(self.ready_url, timeout=2.0)
 
     def _track_stubs(self) -> None:
         if self.process is not None:
@@ -167,8 +192,10 @@ class Frontend:
         env: dict[str, str] | None = None,
         log_dir: Path | None = LOG_DIR,
         startup_timeout_s: float = 120.0,
+        triton_metrics_url: str | None = None,
     ):
         self.triton_grpc_url = triton_grpc_url
+        self.triton_metrics_url = triton_metrics_url  # None: the frontend's default
         self.model_path = Path(model_path)
         self.served_model_name = served_model_name
         self.host = host
@@ -184,6 +211,7 @@ class Frontend:
         return f"http://{host}:{self.port}"
 
     def argv(self) -> list[str]:
+        metrics = ["--triton-metrics-url", self.triton_metrics_url] if self.triton_metrics_url else []
         return [
             sys.executable, "-m", "openai_frontend",
             "--host", self.host,
@@ -191,6 +219,7 @@ class Frontend:
             "--triton-url", self.triton_grpc_url,
             "--model-path", str(self.model_path),
             "--served-model-name", self.served_model_name,
+            *metrics,
         ]  # fmt: skip
 
     def start(self, watch: list[ManagedProcess] | None = None) -> Frontend:
@@ -225,17 +254,20 @@ class Stack:
         with_frontend: bool = True,
         env: dict[str, str] | None = None,
         log_dir: Path | None = LOG_DIR,
+        supervise: bool = False,
     ):
-        """`triton`: an already running server to put the frontend on (not stopped here)."""
+        """`triton`: an already running server to put the frontend on (not stopped here).
+        `supervise`: restart our tritonserver when its model dies (launcher.watchdog)."""
         self.model_path = Path(model_path) if model_path else (triton.model_path if triton else default_model_path())
         self.served_model_name = served_model_name or self.model_path.name
         self._owns_triton = triton is None
         self.triton = triton or TritonServer(self.model_path, ports=triton_ports, env=env, log_dir=log_dir)
         self.frontend = (
             Frontend(self.triton.grpc_url, self.model_path, self.served_model_name,
-                     host=host, port=port, env=env, log_dir=log_dir)
+                     host=host, port=port, env=env, log_dir=log_dir, triton_metrics_url=self.triton.metrics_url)
             if with_frontend else None
         )  # fmt: skip
+        self.watchdog = Watchdog(self.triton) if supervise and self._owns_triton else None
 
     base_url = property(lambda self: f"{self.frontend.url}/v1" if self.frontend else None)
     triton_grpc_url = property(lambda self: self.triton.grpc_url)
@@ -249,6 +281,8 @@ class Stack:
             if self.frontend is not None:
                 watch = [self.triton.process] if self.triton.process else []
                 self.frontend.start(watch)
+            if self.watchdog is not None:
+                self.watchdog.start()
         except BaseException:
             self.stop()
             raise
@@ -256,13 +290,18 @@ class Stack:
 
     def stop(self) -> None:
         """Drain the model first: live requests end with finish_reason abort and the
-        frontend's streams close on their own, so the frontend stops at once."""
+        frontend's streams close on their own, so the frontend stops at once. The
+        watchdog is paused first and closed last (it may be the server's parent thread)."""
+        if self.watchdog is not None:
+            self.watchdog.pause()
         if self._owns_triton:
             self.triton.drain()
         if self.frontend is not None:
             self.frontend.stop()
         if self._owns_triton:
             self.triton.stop()
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     def processes(self) -> list[ManagedProcess]:
         procs = [self.frontend.process if self.frontend else None, self.triton.process]

@@ -16,6 +16,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument(
+        "--triton-metrics-url",
+        default=None,
+        help="Triton's metrics endpoint, for the engine's gauges on /metrics; "
+        "default: port 8002 on the --triton-url host",
+    )
     parser.add_argument("--model-path", required=True, help="the served Hugging Face model folder")
     parser.add_argument("--served-model-name", default=None, help="default: the folder's name")
     parser.add_argument("--log-level", default="info")
@@ -32,8 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model_path.rstrip("/").rsplit("/", 1)[-1]
-    app = create_app(Settings(args.model_path, name, args.triton_url, args.dump))
+    metrics_url = args.triton_metrics_url or default_metrics_url(args.triton_url)
+    app = create_app(Settings(args.model_path, name, args.triton_url, args.dump, triton_metrics_url=metrics_url))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+def default_metrics_url(triton_url: str) -> str:
+    """Triton's default metrics port (8002) on the gRPC address's host."""
+    host = triton_url.rsplit(":", 1)[0] if ":" in triton_url else triton_url
+    return f"http://{host}:8002/metrics"
 
 
 if __name__ == "__main__":

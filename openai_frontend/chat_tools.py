@@ -102,17 +102,27 @@ class ChatTools:
                 pieces = parsed.feed(delta.text)
                 if delta.outcome is not None:
                     pieces += parsed.finish()
-                    if parsed.tool_calls and delta.outcome.finish_reason == "stop":
-                        delta.outcome.finish_reason = TOOL_CALLS
+                    if parsed.tool_calls:
+                        delta.outcome.finish_reason = finish_reason(
+                            delta.outcome.finish_reason, [{}], delta.outcome.stop_guard
+                        )
                 delta.text = "".join(p for p in pieces if isinstance(p, str))
                 delta.tool_calls = [p for p in pieces if isinstance(p, dict)] or None
                 yield delta
 
 
-def finish_reason(finish: str, tool_calls: list[dict[str, Any]]) -> str:
-    """A turn that called tools and ended by itself finishes with "tool_calls"; one cut
-    by max_tokens stays "length"."""
-    return TOOL_CALLS if tool_calls and finish == "stop" else finish
+# guards that cut an answer short: a turn that made its calls before one fired still
+# reports "tool_calls" (the higher rung); max_tokens and the context length do not
+_GUARD_CUTS = frozenset({"content_loop", "deadline"})
+
+
+def finish_reason(finish: str, tool_calls: list[dict[str, Any]], stop_guard: str = "") -> str:
+    """A turn that called tools finishes with "tool_calls" when it ended by itself (or a
+    loop or deadline guard cut what came after its calls); one cut by max_tokens stays
+    "length"."""
+    if tool_calls and (finish == "stop" or stop_guard in _GUARD_CUTS):
+        return TOOL_CALLS
+    return finish
 
 
 def _name_and_arguments(call: dict[str, Any]) -> tuple[str, str]:

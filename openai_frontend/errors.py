@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+MODEL_UNAVAILABLE = "model_unavailable"
+RETRY_AFTER_S = 5  # about what tritonserver takes to restart the model (launcher.watchdog)
 
 
 class OpenAIError(Exception):
@@ -26,6 +28,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         type: str = INVALID_REQUEST,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -33,6 +36,7 @@ class OpenAIError(Exception):
         self.param = param
         self.type = type
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -51,6 +55,13 @@ def server_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, None, SERVER_ERROR)
 
 
+def service_unavailable(message: str, retry_after_s: int = RETRY_AFTER_S) -> OpenAIError:
+    """503: the model cannot serve now (down, restarting, shutting down); Retry-After
+    tells clients (the openai SDK honours it) when to try again."""
+    headers = {"Retry-After": str(retry_after_s)}
+    return OpenAIError(503, message, None, SERVER_ERROR, MODEL_UNAVAILABLE, headers)
+
+
 def from_validation(exc: RequestValidationError) -> OpenAIError:
     """The first pydantic error, naming the field (`messages.0.content`)."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
@@ -65,7 +76,7 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def install_handlers(app: FastAPI, on_error=None) -> None:

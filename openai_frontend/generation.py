@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend import contract
@@ -26,6 +27,11 @@ class Outcome:
     reasoning_tokens: int = 0
     stop_guard: str = ""  # what ended the sequence (eos, max_tokens, content_loop, deadline, stop_string, ...)
     thinking_guard: str = ""  # what ended its thinking, if a guard did (thinking_budget, thinking_loop)
+    # latencies in seconds, for /metrics: the engine's figures when its final event carried
+    # them, else the frontend's own (a stream cut by a stop string has no final event)
+    first_token_s: float | None = None  # request -> first token
+    decode_s: float = 0.0  # first token -> last token
+    queue_s: float | None = None  # engine arrival -> first scheduled (None: not reported)
 
     def usage(self) -> Usage:
         return Usage(
@@ -75,8 +81,10 @@ async def generate_text(
     received = 0
     produced = 0  # characters the detokenizer has produced: the next token's text offset
     pending = _Pending()
+    clock = _Clock()
     async with aclosing(engine.generate(fields)) as packs:
         async for pack in packs:
+            clock.tick(pack)
             pending.add(pack)
             if per_token:
                 text = ""
@@ -99,13 +107,42 @@ async def generate_text(
                     text += matcher.flush()
             if matcher.stopped:
                 # leaving the `async with` cancels the model's request
-                yield pending.delta(text, Outcome(contract.FINISH_STOP, prompt_len, received, stop_guard="stop_string"))
+                outcome = Outcome(contract.FINISH_STOP, prompt_len, received, stop_guard="stop_string")
+                yield pending.delta(text, clock.stamp(outcome))
                 return
             if pack.finish is not None:
-                yield pending.delta(text, _outcome(pack.finish, prompt_len, received))
+                yield pending.delta(text, clock.stamp(_outcome(pack.finish, prompt_len, received), pack.finish))
                 return
             if text:
                 yield pending.delta(text)
+
+
+@dataclass(slots=True)
+class _Clock:
+    """When a generation's tokens arrived here. The engine's figures are preferred: a
+    non-streaming model request brings every token in one response, so only the engine
+    saw the first token come."""
+
+    started: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+
+    def tick(self, pack: TokenPack) -> None:
+        if pack.token_ids:
+            self.last = time.monotonic()
+            if self.first is None:
+                self.first = self.last
+
+    def stamp(self, outcome: Outcome, finish: Finish | None = None) -> Outcome:
+        """The outcome with its latencies filled in."""
+        if finish is not None and finish.time_to_first_token_ms > 0:
+            outcome.first_token_s = finish.time_to_first_token_ms / 1e3
+            outcome.decode_s = finish.decode_time_ms / 1e3
+            outcome.queue_s = finish.queue_time_ms / 1e3 if finish.queue_time_ms is not None else None
+        elif self.first is not None:
+            outcome.first_token_s = self.first - self.started
+            outcome.decode_s = self.last - self.first
+        return outcome
 
 
 @dataclass(slots=True)

@@ -16,10 +16,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backend import contract
+from openai_frontend.errors import bad_request
 
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 8  # `n`: each choice is its own model request (the prefix cache shares the prompt)
+MAX_TIMEOUT_S = 86_400.0 * 365  # `timeout`: a year; a bound keeps deadline_ms finite (1e308 s overflowed)
 
 # Contract inputs a client may not set directly: the frontend derives them.
 _PRIVATE_INPUTS = frozenset({"prompt_tokens", "stream", "lookup_tenant"})
@@ -105,7 +107,7 @@ class GenerationRequest(BaseModel):
     dry_sequence_breakers: list[str] | None = None
     # guards: loop detectors, and a deadline in seconds (the answer ends with what it has)
     repetition_detection: RepetitionDetection | None = None
-    timeout: float | None = Field(None, gt=0)
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     # Any other contract input not derived by the frontend (num_beams, dry_multiplier,
     # thinking_budget, ...) may be sent by its contract name and is forwarded as is.
 
@@ -181,6 +183,36 @@ class GenerationRequest(BaseModel):
             return dict(fields)
         return {**fields, "seed": self.seed + index}
 
+    def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
+        """A 400 naming the first string over `max_string_chars` characters (0: no bound),
+        so no tokenizer or template ever runs on one."""
+        path = _long_string(self.model_dump(exclude_unset=True, by_alias=True), max_string_chars)
+        if path is not None:
+            raise bad_request(path, f"{path}: longer than {max_string_chars} characters")
+
+    def check_context(self, prompt_len: int, max_model_len: int | None) -> int:
+        """The most new tokens a choice may ask for: max_tokens, else what the context
+        leaves (0 when the context length is unknown). A 400 with the numbers when the
+        prompt, or the prompt and max_tokens, do not fit the model's context."""
+        asked = self.max_new_tokens()
+        if max_model_len is None:
+            return asked or 0
+        if prompt_len >= max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"{self.PROMPT_PARAM} resulted in {prompt_len} tokens. Please reduce the length of the "
+                f"{self.PROMPT_PARAM}."
+            )
+            raise bad_request(self.PROMPT_PARAM, message)
+        if asked is not None and prompt_len + asked > max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + asked} tokens ({prompt_len} in the {self.PROMPT_PARAM}, {asked} in the "
+                f"completion). Please reduce the length of the {self.PROMPT_PARAM} or completion."
+            )
+            raise bad_request(self.param_of("max_tokens"), message)
+        return asked if asked is not None else max_model_len - prompt_len
+
     def param_of(self, input_name: str) -> str:
         """The request field behind a contract input, to name it in an error."""
         if input_name == "prompt_tokens":
@@ -195,6 +227,20 @@ class GenerationRequest(BaseModel):
             elif name not in _HARMLESS:
                 log.warning("ignoring unknown request field %r", name)
         return forwarded
+
+
+def _long_string(value: Any, limit: int, path: str = "") -> str | None:
+    """The dotted path (`messages.3.content`) of the first string longer than `limit`."""
+    if not limit:
+        return None
+    if isinstance(value, str):
+        return path if len(value) > limit else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _long_string(item, limit, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -216,9 +262,11 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts_only(cls, content):
         if isinstance(content, list):
-            kinds = {part.get("type") for part in content if isinstance(part, dict)} - {"text"}
+            # a non-string type (a fuzzer's {}) is left to the TextPart validation: a 400
+            types = [part.get("type") for part in content if isinstance(part, dict)]
+            kinds = {kind for kind in types if isinstance(kind, str)} - {"text"}
             if kinds:
-                raise ValueError(f"only text content parts are supported, not {', '.join(sorted(map(str, kinds)))}")
+                raise ValueError(f"only text content parts are supported, not {', '.join(sorted(kinds))}")
         return content
 
     def template_dict(self) -> dict[str, Any]:
@@ -257,6 +305,12 @@ class ChatCompletionRequest(GenerationRequest):
     # --- extensions ---
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # the same as chat_template_kwargs.enable_thinking
+
+    def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
+        if max_messages and len(self.messages) > max_messages:
+            message = f"messages: at most {max_messages} messages per request, got {len(self.messages)}"
+            raise bad_request("messages", message)
+        super().check_sizes(max_messages, max_string_chars)
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template receives besides the messages (and tools)."""

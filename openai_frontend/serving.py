@@ -29,6 +29,7 @@ from openai_frontend.generation import (
     interleave,
     total_usage,
 )
+from openai_frontend.limits import Ticket, ticket_of
 from openai_frontend.logprobs import CompletionLogprobs, chat_logprobs
 from openai_frontend.metrics import Metrics
 from openai_frontend.protocol import (
@@ -73,7 +74,7 @@ class Serving:
         self.model_name = served_model_name
         self.engine = engine  # set in the app's lifespan
         self.dump_dir = dump_dir  # --dump: one JSON file per request
-        self.metrics = Metrics()
+        self.metrics = Metrics(served_model_name, tokenization.max_model_len or 8192)
         self.created = int(time.time())
 
     def models(self) -> ModelList:
@@ -104,7 +105,9 @@ class Serving:
         else:
             prompt = self.tokenization.encode_chat(messages, None, body.template_kwargs())
         reasoning = ChatReasoning.of(self.model_settings.reasoning, self.tokenization.tokenizer, prompt)
-        streams = self._generate(body, prompt, "chat", extra_fields, self.model_settings.sampling, dump)
+        streams = self._generate(
+            body, prompt, "chat", extra_fields, self.model_settings.sampling, dump, ticket=ticket_of(request)
+        )
         if body.stream:
             if reasoning is not None:
                 streams = [reasoning.stream(stream) for stream in streams]
@@ -124,7 +127,7 @@ class Serving:
             thinking, answer = reasoning.split(whole.text) if reasoning is not None else (None, whole.text)
             content, calls = tools.parse(answer) if tools is not None else (answer, [])
             message = AssistantMessage(content=content, reasoning_content=thinking, tool_calls=calls)
-            reason = finish_reason(whole.outcome.finish_reason, calls)
+            reason = finish_reason(whole.outcome.finish_reason, calls, whole.outcome.stop_guard)
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs(i, whole), finish_reason=reason))
         usage = total_usage([whole.outcome for whole in wholes])
         response = ChatCompletionResponse(
@@ -137,7 +140,7 @@ class Serving:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         dump = self._dump(response_id, "completions", request, body)
         prompt = self.tokenization.encode_prompt(body.prompt)
-        streams = self._generate(body, prompt, "completions", dump=dump)
+        streams = self._generate(body, prompt, "completions", dump=dump, ticket=ticket_of(request))
         if body.echo:
             prompt_text = self.tokenization.prompt_text(body.prompt)
             offsets = self.tokenization.text_offsets(prompt)
@@ -171,17 +174,24 @@ class Serving:
         extra_fields: dict[str, Any] | None = None,
         presets: dict[str, Any] | None = None,
         dump: RequestDump | None = None,
+        *,
+        ticket: Ticket,
     ) -> list[AsyncIterator[Delta]]:
         """One delta stream per choice: n model requests for the same prompt tokens (the
         model's prefix cache shares the prompt's KV blocks between them). `presets`: the
-        model's sampling defaults, under the request's own values."""
-        self.metrics.requests[endpoint] += 1
+        model's sampling defaults, under the request's own values. `ticket`: the tenant
+        it runs as (scoping the prefix cache) and its token budget, charged here."""
         stops = body.stop_strings()
         # Stop strings are matched here, so the model streams to let us cancel it early.
         fields = body.contract_fields(prompt, stream=body.stream or bool(stops))
         fields.update(extra_fields or {})
+        fields["lookup_tenant"] = ticket.tenant.encode()
+        tenant = ticket.tenant
+        self.metrics.received(endpoint, tenant)
         if presets:
             fields = body.with_presets(fields, presets)
+        max_new_tokens = body.check_context(len(prompt), self.tokenization.max_model_len)
+        ticket.reserve(len(prompt), fields.get("max_tokens") or max_new_tokens, body.n)
         streams = []
         for index in range(body.n):
             detokenizer = self.tokenization.detokenizer(prompt)
@@ -189,7 +199,7 @@ class Serving:
             if dump is not None:
                 dump.tensors(choice_fields)
             text = generate_text(self.engine, choice_fields, detokenizer, stops)
-            streams.append(self._observed(text, index, dump))
+            streams.append(ticket.metered(self._observed(text, index, dump, tenant)))
         return streams
 
     def _dump(self, response_id: str, endpoint: str, request: Request, body: GenerationRequest) -> RequestDump | None:
@@ -239,34 +249,33 @@ class Serving:
         return server_error(str(exc) or type(exc).__name__)
 
     async def _observed(
-        self, deltas: AsyncIterator[Delta], index: int = 0, dump: RequestDump | None = None
+        self, deltas: AsyncIterator[Delta], index: int = 0, dump: RequestDump | None = None, tenant: str = ""
     ) -> AsyncIterator[Delta]:
-        """Counts a generation: running, tokens, and how it ended ("abort": client left)."""
+        """Counts a generation: running, tokens, latencies, and how it ended ("abort":
+        client left). Its end-to-end latency runs from here: the first pull starts its
+        model request."""
         metrics = self.metrics
         metrics.running += 1
+        started = time.monotonic()
         ended = False
         try:
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.outcome is not None:
                         ended = True
-                        self._record(delta.outcome)
+                        self._record(delta.outcome, time.monotonic() - started, tenant)
                         if dump is not None:
                             dump.final(index, delta.outcome)
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):
             if not ended:
-                metrics.finished["abort"] += 1
+                metrics.aborted()
             raise
         finally:
             metrics.running -= 1
 
-    def _record(self, outcome: Outcome) -> None:
-        metrics = self.metrics
-        metrics.finished[outcome.finish_reason] += 1
-        metrics.prompt_tokens += outcome.prompt_tokens
-        metrics.completion_tokens += outcome.completion_tokens
-        metrics.cached_prompt_tokens += outcome.cached_tokens
+    def _record(self, outcome: Outcome, e2e_s: float, tenant: str = "") -> None:
+        self.metrics.finished(outcome, e2e_s, tenant)
 
 
 async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_offsets: list[int]) -> AsyncIterator[Delta]:

@@ -1,4 +1,9 @@
-"""The frontend's door to Triton: one shared gRPC aio client, one stream per request."""
+"""The frontend's door to Triton: one shared gRPC aio client, one stream per request.
+
+Failures that mean "the model cannot serve now" (Triton unreachable or restarting, a
+dead Python backend stub, the model not loaded, a drain) raise ModelUnavailable: a 503
+with Retry-After in OpenAI's shape, so clients retry instead of giving up.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +20,17 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from backend import contract
+from openai_frontend.errors import OpenAIError, service_unavailable
 
 # An error raised from contract.ContractError on the model side reads "field: why".
 _FIELD_ERROR = re.compile(r"^\s*(\w+): ")
+# Triton's (and model.py's) words for a model that cannot serve now, e.g. "Stub process
+# 'llm_0_0' is not healthy." (Triton 2.51 after the stub died), "Request for unknown
+# model: 'llm' is not found" (not loaded), "the server is shutting down" (a drain).
+_UNAVAILABLE_ERROR = re.compile(
+    r"Stub process .* is not healthy|unknown model|is not ready|not available|shutting down|is stopping",
+    re.IGNORECASE,
+)
 _FINAL_OUTPUTS = (
     "finish_reason",
     "stop_guard",
@@ -28,6 +41,7 @@ _FINAL_OUTPUTS = (
     "reasoning_tokens",
     "time_to_first_token_ms",
     "decode_time_ms",
+    "queue_time_ms",
 )
 _LOGPROB_OUTPUTS = (
     "token_logprobs",
@@ -51,6 +65,16 @@ class EngineError(Exception):
         self.field = field
 
 
+class ModelUnavailable(EngineError, OpenAIError):
+    """The model cannot serve now; retry later. Also the OpenAI error the client gets
+    (503, Retry-After), so every path that reports an OpenAIError reports it as is."""
+
+    def __init__(self, message: str):
+        error = service_unavailable(message)
+        OpenAIError.__init__(self, error.status, error.message, error.param, error.type, error.code, error.headers)
+        self.field = None
+
+
 @dataclass(slots=True)
 class Finish:
     """The final event of a request, as the model reports it."""
@@ -64,6 +88,7 @@ class Finish:
     reasoning_tokens: int = 0
     time_to_first_token_ms: float = 0.0
     decode_time_ms: float = 0.0
+    queue_time_ms: float | None = None  # None: the model did not report it
 
 
 @dataclass(slots=True)
@@ -125,8 +150,8 @@ class TritonLLM:
                 if finished:
                     return
             raise EngineError("the model's stream ended without a final response")
-        except grpc.RpcError as exc:
-            raise EngineError(f"Triton request failed: {exc.details() or exc}") from exc
+        except grpc.RpcError as exc:  # unreachable, or the stream broke (server restarted)
+            raise ModelUnavailable(f"Triton is unavailable: {exc.details() or exc}") from exc
         finally:
             if not finished:
                 call.cancel()
@@ -134,6 +159,8 @@ class TritonLLM:
 
 def engine_error(message: str) -> EngineError:
     """A model error; one that names a contract input is the request's fault."""
+    if _UNAVAILABLE_ERROR.search(message):
+        return ModelUnavailable(f"model {contract.MODEL_NAME!r} is unavailable: {message.strip()}")
     match = _FIELD_ERROR.match(message)
     field = match.group(1) if match and match.group(1) in contract.INPUTS_BY_NAME else None
     return EngineError(message.strip(), field)
@@ -221,4 +248,5 @@ def _finish(result) -> Finish:
         reasoning_tokens=int(values.get("reasoning_tokens", 0)),
         time_to_first_token_ms=float(values.get("time_to_first_token_ms", 0.0)),
         decode_time_ms=float(values.get("decode_time_ms", 0.0)),
+        queue_time_ms=float(values["queue_time_ms"]) if "queue_time_ms" in values else None,
     )

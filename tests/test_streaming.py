@@ -204,6 +204,14 @@ class FakeEngine:
     def num_total_blocks(self) -> int:
         return self.total
 
+    num_preemptions = 0
+
+    def num_running(self) -> int:
+        return len(self.requests)
+
+    def num_waiting(self) -> int:
+        return 0
+
 
 class Pipeline:
     def __init__(self, engine: FakeEngine):

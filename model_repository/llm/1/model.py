@@ -256,6 +256,7 @@ def _final_tensors(final: FinalStats) -> list[pb_utils.Tensor]:
         _tensor("accepted_spec_tokens", [0]),
         _tensor("time_to_first_token_ms", [final.time_to_first_token_s * 1000.0]),
         _tensor("decode_time_ms", [final.decode_time_s * 1000.0]),
+        _tensor("queue_time_ms", [final.queue_time_s * 1000.0]),
     ]
 
 
@@ -277,14 +278,21 @@ def _send_quietly(sender, response: pb_utils.InferenceResponse, flags: int) -> N
 
 
 class _Metrics:
+    """The engine's own figures on Triton's metrics port; the frontend's /metrics reads
+    them from there (vllm:num_requests_running/waiting, vllm:kv_cache_usage_perc)."""
+
     def __init__(self) -> None:
         gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         self._kv_used = _metric("llm_kv_blocks_used", "KV cache blocks in use", gauge)
         self._kv_total = _metric("llm_kv_blocks_total", "KV cache blocks in the pool", gauge)
         self._in_flight = _metric("llm_requests_in_flight", "requests awaiting their final response", gauge)
+        self._running = _metric("llm_requests_running", "requests in the engine's batch", gauge)
+        self._waiting = _metric("llm_requests_waiting", "requests queued for the batch", gauge)
+        self._preemptions = _metric("llm_preemptions_total", "sequences preempted (recomputed later)", counter)
         self._responses = _metric("llm_responses_total", "responses sent", counter)
         self._tokens = _metric("llm_generated_tokens_total", "generated tokens sent", counter)
-        self._published: tuple[int, int, int] | None = None
+        self._published: tuple[int, ...] | None = None
+        self._published_preemptions = 0
         self._pending_responses = 0
         self._pending_tokens = 0
         self._next = 0.0
@@ -298,12 +306,22 @@ class _Metrics:
         if now < self._next:
             return
         self._next = now + _METRICS_EVERY_S
-        state = (snapshot.kv_blocks_used, snapshot.kv_blocks_total, in_flight)
+        state = (
+            snapshot.kv_blocks_used,
+            snapshot.kv_blocks_total,
+            in_flight,
+            snapshot.requests_running,
+            snapshot.requests_waiting,
+        )
         if state != self._published:
-            self._kv_used.set(state[0])
-            self._kv_total.set(state[1])
-            self._in_flight.set(state[2])
+            for metric, value in zip(
+                (self._kv_used, self._kv_total, self._in_flight, self._running, self._waiting), state, strict=True
+            ):
+                metric.set(value)
             self._published = state
+        if snapshot.num_preemptions > self._published_preemptions:
+            self._preemptions.increment(snapshot.num_preemptions - self._published_preemptions)
+            self._published_preemptions = snapshot.num_preemptions
         if self._pending_responses:
             self._responses.increment(self._pending_responses)
             self._tokens.increment(self._pending_tokens)
