@@ -12,6 +12,7 @@ from backend.contract import ContractError
 from backend.convert import ensure_default_model
 from backend.engine import LLMEngine
 from backend.request import EngineRequest, FinishReason, SamplingParams, StopGuard
+from tests.engine_runs import run_to_completion
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain English.\n"
 PROMPTS = [
@@ -153,19 +154,6 @@ def test_dry_breaker_strings_become_the_tokens_that_hold_them(engine, tokenizer,
     assert zebra and all("zebra" in text for text in zebra) and newline not in custom.dry_sequence_breakers
 
 
-def _run_all(engine, requests):
-    for request in requests:
-        engine.add_request(request)
-    tokens = {r.request_id: [] for r in requests}
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.final is not None:
-                finals[out.request_id] = out.final
-    return tokens, finals
-
-
 def test_grammar_rows_follow_their_schema_and_leave_their_neighbours_alone(engine, tokenizer, prompts, solo):
     import json
 
@@ -195,7 +183,7 @@ def test_grammar_rows_follow_their_schema_and_leave_their_neighbours_alone(engin
         EngineRequest("free-0", prompts[0], GREEDY),
         EngineRequest("free-4", prompts[4], GREEDY),
     ]
-    tokens, finals = _run_all(engine, requests)
+    tokens, finals = run_to_completion(engine, *requests)
     for rid in ("json", "json-sampled"):
         assert finals[rid].stop_guard is StopGuard.EOS
         jsonschema.validate(json.loads(tokenizer.decode(tokens[rid])), schema)
@@ -222,9 +210,9 @@ def test_tool_guards_require_and_suppress_the_call_trigger(engine, tokenizer):
     prompt = tokenizer.encode("To call a tool, write <tool_call>. Now call it: <tool_call>. Again: <tool_call>. Again:")
     greedy = dict(temperature=0.0, max_tokens=40)
     bias = dict(logit_bias_ids=tuple(trigger), logit_bias_values=(5.0,) * len(trigger))
-    tokens, _ = _run_all(
+    tokens, _ = run_to_completion(
         engine,
-        [
+        *[
             EngineRequest("suppressed", prompt, SamplingParams(**greedy, **bias, suppress_tool_call=True)),
             EngineRequest("free", prompt, SamplingParams(**greedy, **bias)),
             EngineRequest("required", prompt, SamplingParams(temperature=0.0, max_tokens=3, require_tool_call=True)),

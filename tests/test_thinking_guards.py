@@ -18,6 +18,7 @@ from backend.config import EngineConfig
 from backend.contract import ContractError
 from backend.engine import LLMEngine
 from backend.request import EngineRequest, FinishReason, SamplingParams, StopGuard
+from tests.engine_runs import run_to_completion
 
 THINK_END = 49153
 SMALL_KV = 128 << 20
@@ -39,24 +40,11 @@ def _prompt(engine, content, **template_kwargs):
     )
 
 
-def _run(engine, *requests):
-    for request in requests:
-        engine.add_request(request)
-    tokens = {r.request_id: [] for r in requests}
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.final is not None:
-                finals[out.request_id] = out.final
-    return tokens, finals
-
-
 @pytest.mark.parametrize("budget", [0, 1, 7, 20])
 def test_a_thinking_budget_forces_the_end_marker_and_the_model_answers(thinker, budget):
     prompt = _prompt(thinker, "Why is the sky blue?")  # the template opens <think>
     params = SamplingParams(temperature=0.0, max_tokens=budget + 20, thinking_budget=budget, loop_min_count=0)
-    tokens, finals = _run(thinker, EngineRequest(f"budget-{budget}", prompt, params))
+    tokens, finals = run_to_completion(thinker, EngineRequest(f"budget-{budget}", prompt, params))
     out, final = tokens[f"budget-{budget}"], finals[f"budget-{budget}"]
     assert out[budget] == THINK_END and THINK_END not in out[:budget]  # forced after exactly N tokens
     assert final.reasoning_tokens == budget + 1  # the marker is one token
@@ -66,7 +54,9 @@ def test_a_thinking_budget_forces_the_end_marker_and_the_model_answers(thinker, 
 
 def test_without_a_budget_thinking_runs_on_and_counts_as_reasoning(thinker):
     prompt = _prompt(thinker, "Why is the sky blue?")
-    tokens, finals = _run(thinker, EngineRequest("free", prompt, SamplingParams(temperature=0.0, max_tokens=12)))
+    tokens, finals = run_to_completion(
+        thinker, EngineRequest("free", prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    )
     final = finals["free"]
     if THINK_END not in tokens["free"]:  # the random marker row is rarely the argmax
         assert final.reasoning_tokens == 12 and final.thinking_guard is None
@@ -74,14 +64,14 @@ def test_without_a_budget_thinking_runs_on_and_counts_as_reasoning(thinker):
 
 def test_thinking_off_in_the_template_means_no_reasoning(thinker):
     prompt = _prompt(thinker, "Why is the sky blue?", enable_thinking=False)
-    _, finals = _run(thinker, EngineRequest("off", prompt, SamplingParams(temperature=0.0, max_tokens=8)))
+    _, finals = run_to_completion(thinker, EngineRequest("off", prompt, SamplingParams(temperature=0.0, max_tokens=8)))
     assert finals["off"].reasoning_tokens == 0
 
 
 def test_enable_thinking_forces_a_block_the_prompt_did_not_open(thinker):
     prompt = thinker.tokenizer.encode("Question: why is the sky blue?\nAnswer:")
     params = SamplingParams(temperature=0.0, max_tokens=12, enable_thinking=True, thinking_budget=4)
-    tokens, finals = _run(thinker, EngineRequest("forced-open", prompt, params))
+    tokens, finals = run_to_completion(thinker, EngineRequest("forced-open", prompt, params))
     out = tokens["forced-open"]
     assert out[0] == 49152 and out[5] == THINK_END  # <think>, 4 thinking tokens, </think>
     assert finals["forced-open"].reasoning_tokens == 6
@@ -101,7 +91,7 @@ def test_a_thinking_loop_ends_thinking_and_a_content_loop_ends_the_sequence(thin
         loop_max_pattern_size=4,
         loop_min_count=5,
     )
-    tokens, finals = _run(thinker, EngineRequest("loops", prompt, params))
+    tokens, finals = run_to_completion(thinker, EngineRequest("loops", prompt, params))
     out, final = tokens["loops"], finals["loops"]
     assert out[:5] == [looping] * 5 and out[5] == THINK_END
     assert final.thinking_guard is StopGuard.THINKING_LOOP and final.reasoning_tokens == 6
@@ -114,7 +104,7 @@ def test_the_content_loop_detector_cuts_a_looping_answer_later_with_a_higher_cou
     prompt = plain.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3,")
     params = SamplingParams(temperature=0.0, max_tokens=200, loop_min_pattern_size=2, loop_max_pattern_size=16)
     params.loop_min_count = count
-    tokens, finals = _run(plain, EngineRequest(f"count-{count}", prompt, params))
+    tokens, finals = run_to_completion(plain, EngineRequest(f"count-{count}", prompt, params))
     final = finals[f"count-{count}"]
     assert final.stop_guard is StopGuard.CONTENT_LOOP and final.finish_reason is FinishReason.LENGTH
     text = plain.tokenizer.decode(tokens[f"count-{count}"])
@@ -125,7 +115,7 @@ def test_the_default_model_loop_guard_is_on_by_default(plain):
     """The shipped preset (backend/presets/SmolLM2-135M-Instruct.toml) turns the content
     loop detector on; ignore_eos (benchmarks) leaves it off unless asked."""
     prompt = plain.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3,")
-    _, finals = _run(
+    _, finals = run_to_completion(
         plain,
         EngineRequest("default", prompt, SamplingParams(temperature=0.0, max_tokens=200)),
         EngineRequest("bench", prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)),
@@ -139,7 +129,7 @@ def test_a_deadline_ends_a_long_generation_within_about_a_step(plain):
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True, deadline_ms=1000)
     started = time.monotonic()
     request = EngineRequest("deadline", prompt, params, arrival_time=started)
-    _, finals = _run(plain, request)
+    _, finals = run_to_completion(plain, request)
     elapsed = time.monotonic() - started
     final = finals["deadline"]
     assert final.stop_guard is StopGuard.DEADLINE and final.finish_reason is FinishReason.LENGTH
@@ -152,7 +142,7 @@ def test_a_grammar_applies_only_after_thinking(thinker):
     prompt = _prompt(thinker, "What is 2 + 2? Answer in JSON.")
     params = SamplingParams(temperature=0.0, max_tokens=80, thinking_budget=6, loop_min_count=0)
     request = EngineRequest("json", prompt, params, grammar_kind="json_schema", grammar_spec=json.dumps(schema))
-    tokens, finals = _run(thinker, request)
+    tokens, finals = run_to_completion(thinker, request)
     out = tokens["json"]
     assert out[6] == THINK_END and finals["json"].stop_guard is StopGuard.EOS
     # thinking was free: the schema's grammar would have refused it
