@@ -23,10 +23,12 @@
    thresholds relative to the top token, which every filter keeps, so they cut the
    same tokens whether they come before or after top-k / top-p (vLLM also applies
    min-p after top-k / top-p); only top-p's mass depends on what came before it;
-7. draw: argmax(p / q) with q ~ Exp(1) (the exponential race, an exact draw from p),
+7. draw: argmax(p / q) with q ~ Exp(1) (the exponential race, an exact draw from p;
+   q is never 0),
    q = -log u with u a counter-based hash of (seed, output index, token id) when the
    request is seeded, so a seeded request gets the same tokens whatever else shares
-   its batch, and whatever its batch did before.
+   its batch, and whatever its batch did before;
+8. a token the engine forces (`SamplingRow.forced`: a thinking marker) replaces the draw.
 
 Each step is one batched op over the rows that use it; a batch where no row uses a
 feature skips it entirely.
