@@ -44,6 +44,11 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag"
 # newlines forever inside an otherwise valid document; 24 still fits pretty-printed
 # JSON nested 5 levels deep with an indent of 4.
 JSON_MAX_WHITESPACE = 24
+# response_format output is one line, laid out as json.dumps lays it out: ", " and ": "
+# and no other whitespace. With free whitespace (xgrammar's default), the default model
+# sampling at 0.7 wrote newlines between most tokens and ran out of max_tokens before
+# closing the object; the layout carries no information, so it is not left to chance.
+_CANONICAL_JSON = {"any_whitespace": False, "separators": (", ", ": ")}
 # Deepest JSON nesting a json_schema or structural_tag spec may have. xgrammar's
 # compile time grows steeply with depth (schema depth 400: 3 s, 1000: 44 s); real
 # schemas stay far below this.
@@ -155,13 +160,10 @@ class GrammarCompiler:
             spec = json.dumps(tag)
         try:
             if kind == "json_object":  # an object, any keys; not xgrammar's builtin, which allows arrays
-                return self._xgr.compile_json_schema(
-                    _OBJECT_SCHEMA, strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
-                )
+                return self._xgr.compile_json_schema(_OBJECT_SCHEMA, strict_mode=False, **_CANONICAL_JSON)
             if kind == "json_schema":
-                # any_whitespace (the default) takes compact, spaced and indented JSON alike;
                 # strict mode (the default) refuses properties the schema does not name
-                return self._xgr.compile_json_schema(spec, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                return self._xgr.compile_json_schema(spec, **_CANONICAL_JSON)
             if kind == "regex":
                 return self._xgr.compile_regex(spec)
             if kind == "ebnf":

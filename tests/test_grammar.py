@@ -180,15 +180,22 @@ VALID_PERSON = {
 @pytest.mark.parametrize(
     "text",
     [
-        json.dumps(VALID_PERSON),  # spaced, as most models write it
-        json.dumps(VALID_PERSON, separators=(",", ":")),
-        json.dumps(VALID_PERSON, indent=2),
+        json.dumps(VALID_PERSON),  # the canonical layout: json.dumps's ", " and ": "
         json.dumps({k: v for k, v in VALID_PERSON.items() if k != "tags"}),  # an optional key left out
     ],
 )
 def test_json_schema_accepts_valid_documents_to_termination(compiler, tokenizer, text):
     state = compiler.new_state("json_schema", json.dumps(PERSON))
     assert_walks_to_end(state, encode(tokenizer, text))
+
+
+@pytest.mark.parametrize("layout", [{"separators": (",", ":")}, {"indent": 2}])
+def test_json_output_has_one_layout(compiler, tokenizer, layout):
+    """response_format output is laid out as json.dumps does (", ", ": ", one line): free
+    whitespace let the default model write newlines between tokens until max_tokens."""
+    for kind, spec in (("json_schema", json.dumps(PERSON)), ("json_object", "")):
+        state = compiler.new_state(kind, spec)
+        assert first_refused(state, encode(tokenizer, json.dumps(VALID_PERSON, **layout))) is not None
 
 
 def _person_text(**changes) -> str:
@@ -228,11 +235,11 @@ def test_json_schema_refuses_invalid_documents_at_the_offending_token(compiler, 
     assert_refused_at(compiler.new_state("json_schema", json.dumps(PERSON)), tokenizer, text, offset)
 
 
-def test_json_schema_whitespace_is_bounded(compiler, tokenizer):
-    state = compiler.new_state("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
-    assert first_refused(state, encode(tokenizer, "{" + " " * JSON_MAX_WHITESPACE + '"a": 1}')) is None
-    state = compiler.new_state("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
-    assert first_refused(state, encode(tokenizer, "{" + " " * (JSON_MAX_WHITESPACE + 1) + '"a": 1}')) is not None
+def test_tool_call_json_whitespace_is_bounded(compiler, tokenizer):
+    """JSON inside a structural tag (tool-call arguments) may be laid out freely, up to
+    JSON_MAX_WHITESPACE whitespace characters in a row."""
+    spaced = "<tool_call>\n{" + " " * JSON_MAX_WHITESPACE + '"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    assert first_refused(compiler.new_state("structural_tag", HERMES_TAG), encode(tokenizer, spaced)) is None
 
 
 def test_json_schema_keys_follow_the_schema_order_and_extra_keys_are_refused(compiler, tokenizer):
