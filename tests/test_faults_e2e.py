@@ -85,27 +85,17 @@ class TestKvExhaustion:
         assert metric(small_kv, "llm_kv_blocks_total") <= 12
 
     def test_concurrent_requests_preempt_and_equal_solo(self, small_kv):
-        """All complete under preemption, token for token as when each runs alone (greedy)."""
+        """All complete under preemption, token for token as when each runs alone (greedy).
+
+        The preemption counter is the proof of pressure: the engine preempts only when a
+        sequence cannot get a block. (Sampling `llm_kv_blocks_used` for a full pool
+        missed the moment in one run out of several: the gauge is published every 0.1 s.)
+        """
         solo = [self._text(small_kv, p) for p in self.PROMPTS]
         preempted_before = metric(small_kv, "llm_preemptions_total")
-        peak = [0.0]
-        done = threading.Event()
-
-        def watch_pool():
-            while not done.is_set():
-                peak[0] = max(peak[0], metric(small_kv, "llm_kv_blocks_used"))
-                time.sleep(0.05)
-
-        watcher = threading.Thread(target=watch_pool)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(len(self.PROMPTS)) as pool:
-                together = list(pool.map(lambda p: self._text(small_kv, p), self.PROMPTS))
-        finally:
-            done.set()
-            watcher.join()
+        with ThreadPoolExecutor(len(self.PROMPTS)) as pool:
+            together = list(pool.map(lambda p: self._text(small_kv, p), self.PROMPTS))
         assert together == solo
-        assert peak[0] == metric(small_kv, "llm_kv_blocks_total"), "the pool never filled: no pressure"
         assert metric(small_kv, "llm_preemptions_total") > preempted_before
         wait_for(lambda: idle(small_kv), 5, "no request in flight")
 
