@@ -193,10 +193,11 @@ class LLMEngine:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.sampling
-        banned = () if params.min_tokens == 0 else self._stop_ids(params)
+        stop_ids = self._stop_ids(params)
+        banned = () if params.min_tokens == 0 else stop_ids
         # The live list, not a copy: the sampler reads it before this step appends.
         history = seq.token_ids if params.uses_penalties else ()
-        masked = self.tool_guards.masked(seq, self._stop_ids(params))
+        masked = self.tool_guards.masked(seq, stop_ids)
         forced = seq.guards.next_forced()
         return SamplingRow(params, seq.num_output_tokens, banned, history, masked, seq.grammar, forced)
 

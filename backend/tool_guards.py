@@ -47,8 +47,9 @@ class ToolGuards:
         return cls(tuple(triggers), end[0] if len(end) == 1 else None)
 
     def observe(self, seq: Sequence) -> None:
-        """After a token is appended: note when the output has just written a trigger."""
-        if seq.tool_call_opened or not self.triggers:
+        """After a token is appended: note when the output has just written a trigger.
+        Only `require_tool_call` reads it, so other sequences skip the comparison."""
+        if seq.tool_call_opened or not self.triggers or not seq.sampling.require_tool_call:
             return
         for trigger in self.triggers:
             n = len(trigger)

@@ -102,10 +102,10 @@ class ChatTools:
                 pieces = parsed.feed(delta.text)
                 if delta.outcome is not None:
                     pieces += parsed.finish()
-                    if parsed.tool_calls:
-                        delta.outcome.finish_reason = finish_reason(
-                            delta.outcome.finish_reason, [{}], delta.outcome.stop_guard
-                        )
+                    outcome = delta.outcome
+                    outcome.finish_reason = finish_reason(
+                        outcome.finish_reason, bool(parsed.tool_calls), outcome.stop_guard
+                    )
                 delta.text = "".join(p for p in pieces if isinstance(p, str))
                 delta.tool_calls = [p for p in pieces if isinstance(p, dict)] or None
                 yield delta
@@ -116,11 +116,11 @@ class ChatTools:
 _GUARD_CUTS = frozenset({"content_loop", "deadline"})
 
 
-def finish_reason(finish: str, tool_calls: list[dict[str, Any]], stop_guard: str = "") -> str:
+def finish_reason(finish: str, called: bool, stop_guard: str = "") -> str:
     """A turn that called tools finishes with "tool_calls" when it ended by itself (or a
     loop or deadline guard cut what came after its calls); one cut by max_tokens stays
     "length"."""
-    if tool_calls and (finish == "stop" or stop_guard in _GUARD_CUTS):
+    if called and (finish == "stop" or stop_guard in _GUARD_CUTS):
         return TOOL_CALLS
     return finish
 

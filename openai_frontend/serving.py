@@ -127,7 +127,7 @@ class Serving:
             thinking, answer = reasoning.split(whole.text) if reasoning is not None else (None, whole.text)
             content, calls = tools.parse(answer) if tools is not None else (answer, [])
             message = AssistantMessage(content=content, reasoning_content=thinking, tool_calls=calls)
-            reason = finish_reason(whole.outcome.finish_reason, calls, whole.outcome.stop_guard)
+            reason = finish_reason(whole.outcome.finish_reason, bool(calls), whole.outcome.stop_guard)
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs(i, whole), finish_reason=reason))
         usage = total_usage([whole.outcome for whole in wholes])
         response = ChatCompletionResponse(

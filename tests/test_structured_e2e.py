@@ -92,27 +92,24 @@ async def _gather(stack, make_calls):
         await client.close()
 
 
+def _sampled(stack, samples, **create):
+    """`samples` chat replies at temperature 0.8 (seeds 0..samples-1), made concurrently."""
+
+    def calls(client):
+        return [
+            client.chat.completions.create(temperature=0.8, seed=seed, max_tokens=MAX_TOKENS, **create)
+            for seed in range(samples)
+        ]
+
+    return asyncio.run(_gather(stack, calls))
+
+
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_sampled_answer_follows_its_schema(stack, model, name):
     schema = SCHEMAS[name]
     fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
     messages = [{"role": "user", "content": PROMPTS[name]}]
-
-    def calls(client):
-        return [
-            client.chat.completions.create(
-                model=model,
-                messages=messages,
-                response_format=fmt,
-                temperature=0.8,
-                seed=seed,
-                max_tokens=MAX_TOKENS,
-            )
-            for seed in range(ANSWERS)
-        ]
-
-    replies = asyncio.run(_gather(stack, calls))
-    for reply in replies:
+    for reply in _sampled(stack, ANSWERS, model=model, messages=messages, response_format=fmt):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -224,22 +221,8 @@ def _named(tools):
 def test_forced_tool_choice_always_gives_valid_calls(stack, model, tool_set, choice):
     tools, question = TOOL_SETS[tool_set]
     tool_choice = _named(tools) if choice == "named" else "required"
-
-    def calls(client):
-        return [
-            client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": question}],
-                tools=tools,
-                tool_choice=tool_choice,
-                temperature=0.8,
-                seed=seed,
-                max_tokens=MAX_TOKENS,
-            )
-            for seed in range(6)
-        ]
-
-    for reply in asyncio.run(_gather(stack, calls)):
+    messages = [{"role": "user", "content": question}]
+    for reply in _sampled(stack, 6, model=model, messages=messages, tools=tools, tool_choice=tool_choice):
         choice_ = reply.choices[0]
         assert choice_.finish_reason == "tool_calls", choice_.message
         assert choice_.message.tool_calls
@@ -251,21 +234,7 @@ def test_forced_tool_choice_always_gives_valid_calls(stack, model, tool_set, cho
 @pytest.mark.parametrize("tool_set", list(TOOL_SETS))
 def test_auto_gives_text_or_valid_calls_never_a_malformed_call(stack, model, tool_set):
     tools, question = TOOL_SETS[tool_set]
-
-    def calls(client):
-        return [
-            client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": question}],
-                tools=tools,
-                temperature=0.8,
-                seed=seed,
-                max_tokens=MAX_TOKENS,
-            )
-            for seed in range(8)
-        ]
-
-    for reply in asyncio.run(_gather(stack, calls)):
+    for reply in _sampled(stack, 8, model=model, messages=[{"role": "user", "content": question}], tools=tools):
         choice = reply.choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
