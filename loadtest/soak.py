@@ -43,6 +43,7 @@ KEYS = {"sk-soak-alpha": "alpha", "sk-soak-beta": "beta"}
 RSS_TOLERANCE_FRACTION = 0.10
 RSS_TOLERANCE_MB = 100.0
 SETTLE_TIMEOUT_S = 60.0  # rest must come within this after the load stops
+STOP_TIMEOUT_S = 120  # users finish the request they are in; the client gives up on one sooner
 DEFAULT_OUT = REPO_ROOT / "build" / "soak"
 
 
@@ -166,9 +167,9 @@ def run_locust(stack: Stack, config: SoakConfig, seconds: float, name: str) -> S
     argv = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "--host", stack.base_url.removesuffix("/v1"), "-u", str(config.users),
-        "-r", str(max(1, config.users // 2)), "-t", f"{max(1, round(seconds))}s", "--stop-timeout", "120",
+        "-r", str(max(1, config.users // 2)), "-t", f"{max(1, round(seconds))}s", "--stop-timeout", str(STOP_TIMEOUT_S),
         "--csv", str(config.out_dir / name), "--csv-full-history", "--only-summary",
-        "--exit-code-on-error", "0", "--loglevel", "WARNING",
+        "--exit-code-on-error", "0", "--loglevel", "INFO",
     ]  # fmt: skip
     env = dict(os.environ, SOAK_KEYS=",".join(KEYS), SOAK_SAMPLES=str(samples_path), MODEL=stack.served_model_name)
     with open(config.out_dir / f"{name}_locust.log", "w") as log:
@@ -203,6 +204,9 @@ def check(result: SoakResult) -> list[str]:
     lost = result.samples.count("lost") + result.samples.unfinished
     if lost:
         problems.append(f"{lost} requests lost (no complete answer and no explicit error)")
+        log = result.config.out_dir / "soak_locust.log"
+        if log.exists() and "Not all users finished" in log.read_text(errors="replace"):
+            problems.append(f"locust killed users still in a request {STOP_TIMEOUT_S} s after the stop")
     if not result.samples.count("ok"):
         problems.append("no request was answered")
     base, after = result.baseline, result.after

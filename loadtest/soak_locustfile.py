@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import gevent
 from locust import HttpUser, between, events, task
 
 PROMPTS = [
@@ -32,7 +33,7 @@ PROMPTS = [
     "the life cycle of a star",
     "what makes a bridge stable",
 ]
-CLIENT_TIMEOUT_S = 120  # no byte for this long: the request is lost
+CLIENT_TIMEOUT_S = 60  # no byte for this long: the request is lost (under soak.py's stop timeout)
 _user_numbers = itertools.count()
 
 
@@ -47,11 +48,13 @@ class Sample:
     outcome: str  # ok | error | left | lost
     status: int
     tokens: int  # completion tokens the usage reported (0 when none)
+    detail: str = ""  # for a lost request: what happened (an exception, a cut stream, ...)
 
 
 SAMPLES: list[Sample] = []
 STARTED = Counter()  # per kind
-IN_FLIGHT: dict[int, tuple[str, float]] = {}  # id -> (kind, start): what a stop would lose
+IN_FLIGHT: dict[int, dict] = {}  # id -> kind, start, how far it got: what a stop would lose
+STOPPING = False  # the run is stopping: no new requests; those in flight are waited for
 
 
 def _is_error_body(text: str) -> bool:
@@ -89,8 +92,9 @@ class SoakUser(HttpUser):
             return {**body, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}
         return {**body, "prompt": f"A short note on {topic}:"}
 
-    def _record(self, kind: str, start: float, outcome: str, status: int, tokens: int = 0) -> None:
-        SAMPLES.append(Sample(time.time(), time.perf_counter() - start, kind, self.tenant, outcome, status, tokens))
+    def _record(self, kind: str, start: float, outcome: str, status: int, tokens: int = 0, detail: str = "") -> None:
+        latency = time.perf_counter() - start
+        SAMPLES.append(Sample(time.time(), latency, kind, self.tenant, outcome, status, tokens, detail))
 
     def _send(self, chat: bool, stream: bool, leave_after: int | None = None) -> None:
         """One request, read to its end (or, with `leave_after`, hung up on after that many
@@ -98,32 +102,38 @@ class SoakUser(HttpUser):
         kind = ("chat" if chat else "completion") + (" stream" if stream else "")
         path = "/v1/chat/completions" if chat else "/v1/completions"
         name = f"{path} ({'left' if leave_after is not None else 'stream' if stream else 'whole'})"
+        if STOPPING:
+            return
         STARTED[kind] += 1
         start = time.perf_counter()
-        IN_FLIGHT[id(self)] = (kind, time.time())
+        progress = IN_FLIGHT[id(self)] = {"kind": kind, "start": time.time(), "at": "sent"}
         try:
             with self.client.post(
                 path, json=self._body(chat, stream), headers=self.headers, stream=stream,
                 timeout=CLIENT_TIMEOUT_S, catch_response=True, name=name,
             ) as resp:  # fmt: skip
-                outcome, tokens = self._read(resp, stream, leave_after)
+                progress["at"] = f"HTTP {resp.status_code}"
+                outcome, tokens, detail = self._read(resp, stream, leave_after, progress)
                 resp.success() if outcome in ("ok", "left", "error") else resp.failure(outcome)
-                self._record(kind, start, outcome, resp.status_code, tokens)
-        except Exception:  # a reset or a timeout mid-stream (before it, locust's status is 0)
-            self._record(kind, start, "lost", 0)
+                self._record(kind, start, outcome, resp.status_code, tokens, detail)
+        except Exception as exc:  # a reset or a timeout mid-stream (before it, locust's status is 0)
+            self._record(kind, start, "lost", 0, detail=f"{type(exc).__name__} after {progress['at']}: {exc}"[:300])
             raise
         finally:
             IN_FLIGHT.pop(id(self), None)
         if resp.status_code == 429:  # a polite client waits as told before its next request
             time.sleep(float(resp.headers.get("retry-after", "1")))
 
-    def _read(self, resp, stream: bool, leave_after: int | None) -> tuple[str, int]:
+    def _read(self, resp, stream: bool, leave_after: int | None, progress: dict) -> tuple[str, int, str]:
+        """(outcome, completion tokens, what went wrong if the request was lost)."""
         if resp.status_code != 200:
-            return ("error" if _is_error_body(resp.text) else "lost"), 0
+            if _is_error_body(resp.text):
+                return "error", 0, ""
+            return "lost", 0, f"HTTP {resp.status_code} without an error body: {resp.text[:200]!r}"
         if not stream:
             done, tokens = _complete_json(resp.text)
-            return ("ok" if done else "lost"), tokens
-        return _read_stream(resp, leave_after)
+            return ("ok", tokens, "") if done else ("lost", tokens, f"not an answer: {resp.text[:200]!r}")
+        return _read_stream(resp, leave_after, progress)
 
     @task(3)
     def chat_stream(self) -> None:
@@ -147,33 +157,51 @@ class SoakUser(HttpUser):
         self._send(chat=random.random() < 0.5, stream=True, leave_after=random.randint(1, 4))
 
 
-def _read_stream(resp, leave_after: int | None) -> tuple[str, int]:
+def _read_stream(resp, leave_after: int | None, progress: dict) -> tuple[str, int, str]:
     tokens = 0
     for number, line in enumerate(resp.iter_lines(decode_unicode=True)):
+        progress["at"] = f"stream line {number}"
         if leave_after is not None and number >= leave_after:
             resp.close()  # unread: the connection is dropped, the server sees the client leave
-            return "left", tokens
+            return "left", tokens, ""
         if not line or not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
-            return "ok", tokens
+            return "ok", tokens, ""
         chunk = json.loads(line[6:])
         if "error" in chunk:
-            return "error", tokens
+            return "error", tokens, ""
         tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-    return ("left" if leave_after is not None else "lost"), tokens
+    if leave_after is not None:
+        return "left", tokens, ""
+    return "lost", tokens, f"the stream ended without data: [DONE] after {progress['at']}"
+
+
+@events.test_stopping.add_listener
+def _stop_sending(**_kw) -> None:
+    global STOPPING
+    STOPPING = True
 
 
 @events.test_stop.add_listener
 def _write_samples(environment, **_kw) -> None:
-    """Counts and samples to $SOAK_SAMPLES; a request started and not ended is lost."""
+    """Counts and samples to $SOAK_SAMPLES; a request started and not ended is lost.
+
+    Requests still in flight are waited for first (up to the client's timeout): locust
+    stops users gracefully, but one it failed to stop would be killed mid-request after
+    this, and the count must not depend on that."""
     path = os.environ.get("SOAK_SAMPLES")
     if not path:
         return
+    waited_until = time.monotonic() + CLIENT_TIMEOUT_S + 5
+    while IN_FLIGHT and time.monotonic() < waited_until:
+        gevent.sleep(0.1)
     ended = Counter(s.kind for s in SAMPLES)
     unfinished = {kind: STARTED[kind] - ended[kind] for kind in STARTED if STARTED[kind] > ended[kind]}
     with open(path, "w") as out:
-        header = {"started": dict(STARTED), "unfinished": unfinished, "cut": list(IN_FLIGHT.values())}
+        stopped = time.time()
+        cut = [{**entry, "age_s": round(stopped - entry["start"], 2)} for entry in IN_FLIGHT.values()]
+        header = {"started": dict(STARTED), "unfinished": unfinished, "cut": cut}
         out.write(json.dumps(header) + "\n")
         for sample in SAMPLES:
             out.write(json.dumps(asdict(sample)) + "\n")

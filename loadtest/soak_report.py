@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ class Samples:
 
     rows: list[dict]
     unfinished: int
+    cut: list[dict] = field(default_factory=list)  # in flight at the stop: kind, start, how far, age
 
     @classmethod
     def load(cls, path: Path) -> Samples:
@@ -35,7 +36,16 @@ class Samples:
         if not lines:
             return cls([], 0)
         header = json.loads(lines[0])
-        return cls([json.loads(line) for line in lines[1:]], sum(header.get("unfinished", {}).values()))
+        rows = [json.loads(line) for line in lines[1:]]
+        return cls(rows, sum(header.get("unfinished", {}).values()), header.get("cut", []))
+
+    def lost_details(self) -> list[str]:
+        """One line per lost request: what the client saw."""
+        lost = [f"{row['kind']}, {row['latency_s']:.1f} s: {row.get('detail') or 'no detail'}"
+                for row in self.rows if row["outcome"] == "lost"]  # fmt: skip
+        cut = [f"{entry['kind']}: still in flight at the stop ({entry['at']}, {entry.get('age_s', '?')} s old)"
+               for entry in self.cut]  # fmt: skip
+        return lost + cut
 
     def count(self, outcome: str) -> int:
         return sum(1 for row in self.rows if row["outcome"] == outcome)
@@ -112,6 +122,7 @@ def summary(result: SoakResult) -> str:
         "",
         f"**{'PASS' if not result.problems else 'FAIL'}**",
         *[f"- {problem}" for problem in result.problems],
+        *[f"  - {line}" for line in samples.lost_details()],
         "",
         "| figure | value |",
         "|---|---|",

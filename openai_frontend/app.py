@@ -188,13 +188,15 @@ def _with_headers(message: Message, headers: dict[str, str]) -> Message:
 
 
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
-    """The app; its lifespan opens the one Triton client all requests share. API keys
-    and limits come from the environment (openai_frontend/auth.py, limits.py)."""
+    """The app; its lifespan opens the one Triton client all requests share. API keys,
+    limits and MAX_MODEL_LEN come from the environment (openai_frontend/auth.py, limits.py)."""
     dump_dir = None
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
-    serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name, dump_dir=dump_dir)
+    if tokenization is None:  # the engine reads the same MAX_MODEL_LEN (backend/config.py)
+        tokenization = Tokenization(settings.model_path, max_model_len=int(os.environ.get("MAX_MODEL_LEN") or 0))
+    serving = Serving(tokenization, settings.served_model_name, dump_dir=dump_dir)
     serving.metrics.engine_url = settings.triton_metrics_url
 
     @asynccontextmanager

@@ -432,11 +432,18 @@ class AssistantMessage(BaseModel):
     tool_calls: list[dict[str, Any]] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
+def _guard() -> Any:
+    """An extension field naming the guard that ended a choice; left out when none did."""
+    return Field(None, exclude_if=lambda guard: not guard)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str
+    finish_guard: str | None = _guard()  # eos, max_tokens, stop_string, content_loop, deadline, ...
+    thinking_guard: str | None = _guard()  # thinking_budget, thinking_loop
 
 
 class ChatCompletionResponse(BaseModel):
@@ -453,6 +460,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    finish_guard: str | None = _guard()
+    thinking_guard: str | None = _guard()
 
 
 class CompletionResponse(BaseModel):

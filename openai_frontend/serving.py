@@ -44,7 +44,7 @@ from openai_frontend.protocol import (
     ModelCard,
     ModelList,
 )
-from openai_frontend.sse import ChatChunkFormat, ChunkFormat, CompletionChunkFormat, sse_events
+from openai_frontend.sse import ChatChunkFormat, ChunkFormat, CompletionChunkFormat, guard_fields, sse_events
 from openai_frontend.tokenization import Tokenization
 from openai_frontend.tools import get_tool_parser
 from openai_frontend.triton_client import EngineError, TritonLLM
@@ -128,7 +128,12 @@ class Serving:
             content, calls = tools.parse(answer) if tools is not None else (answer, [])
             message = AssistantMessage(content=content, reasoning_content=thinking, tool_calls=calls)
             reason = finish_reason(whole.outcome.finish_reason, bool(calls), whole.outcome.stop_guard)
-            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs(i, whole), finish_reason=reason))
+            choices.append(
+                ChatChoice(
+                    index=i, message=message, logprobs=logprobs(i, whole), finish_reason=reason,
+                    **guard_fields(whole.outcome),
+                )
+            )  # fmt: skip
         usage = total_usage([whole.outcome for whole in wholes])
         response = ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage
@@ -157,7 +162,13 @@ class Serving:
             return await self._stream(body, streams, fmt, request, dump)
         wholes = await self._until_done(body, collect_all(streams), request)
         choices = [
-            CompletionChoice(index=i, text=w.text, logprobs=logprobs(i, w), finish_reason=w.outcome.finish_reason)
+            CompletionChoice(
+                index=i,
+                text=w.text,
+                logprobs=logprobs(i, w),
+                finish_reason=w.outcome.finish_reason,
+                **guard_fields(w.outcome),
+            )
             for i, w in enumerate(wholes)
         ]
         usage = total_usage([w.outcome for w in wholes])

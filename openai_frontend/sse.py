@@ -59,6 +59,8 @@ class ChunkFormat:
         choice = self._choice(index, text, finish_reason, delta)
         if delta is not None and self._logprobs is not None:
             choice["logprobs"] = self._logprobs(index, delta)
+        if delta is not None and delta.outcome is not None and finish_reason is not None:
+            choice.update(guard_fields(delta.outcome))
         return self._chunk([choice])
 
     def usage(self, usage: Usage) -> str | None:
@@ -97,6 +99,15 @@ class CompletionChunkFormat(ChunkFormat):
 
     def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def guard_fields(outcome: Outcome) -> dict[str, str]:
+    """The guards that ended a choice (extension fields; also the x-finish-guard and
+    x-thinking-guard headers of a whole response): on the choice's finish chunk."""
+    fields = {"finish_guard": outcome.stop_guard} if outcome.stop_guard else {}
+    if outcome.thinking_guard:
+        fields["thinking_guard"] = outcome.thinking_guard
+    return fields
 
 
 async def sse_events(

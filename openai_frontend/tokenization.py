@@ -15,13 +15,15 @@ from openai_frontend.errors import bad_request
 class Tokenization:
     """Text -> prompt tokens (chat template or plain prompt), tokens -> text."""
 
-    def __init__(self, model_path: str | Path):
+    def __init__(self, model_path: str | Path, max_model_len: int | None = None):
+        """`max_model_len` caps the model's context, as the engine's MAX_MODEL_LEN does."""
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._decode = make_decode(self.tokenizer)
         self._token_texts: dict[int, str] = {}
         config = _model_config(self.model_path)
-        self.max_model_len: int | None = config.get("max_position_embeddings")
+        lengths = [n for n in (config.get("max_position_embeddings"), max_model_len) if n]
+        self.max_model_len: int | None = min(lengths) if lengths else None
         self.vocab_size: int = config.get("vocab_size") or len(self.tokenizer)
 
     def encode_chat(

@@ -204,8 +204,9 @@ def test_engine_reports_queue_time_and_running_waiting():
 
     engine = LLMEngine(EngineConfig(model_path=str(ensure_default_model()), max_num_seqs=1))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for rid in ("a", "b"):
-        engine.add_request(EngineRequest(rid, [1, 2, 3, 4, 5], params))
+    requests = {rid: EngineRequest(rid, [1, 2, 3, 4, 5], params) for rid in ("a", "b")}
+    for request in requests.values():
+        engine.add_request(request)
     finals = {}
     engine.step()
     assert (engine.num_running(), engine.num_waiting()) == (1, 1)
@@ -214,5 +215,7 @@ def test_engine_reports_queue_time_and_running_waiting():
     assert (engine.num_running(), engine.num_waiting()) == (0, 0)
     first, second = finals["a"], finals["b"]
     assert 0 <= first.queue_time_s < first.time_to_first_token_s
-    assert second.queue_time_s >= first.time_to_first_token_s + first.decode_time_s
+    # "b" arrived a few microseconds after "a"; it waited from then until "a" had finished.
+    arrived_later_s = requests["b"].arrival_time - requests["a"].arrival_time
+    assert second.queue_time_s >= first.time_to_first_token_s + first.decode_time_s - arrived_later_s
     assert second.queue_time_s < second.time_to_first_token_s

@@ -51,19 +51,22 @@ def test_a_budget_splits_reasoning_from_content_and_counts_it(thinker, budget):
     assert "<think>" not in message.content and "</think>" not in message.content
     assert reply.usage.completion_tokens_details.reasoning_tokens == budget + 1  # the marker is one token
     assert raw.headers["x-thinking-guard"] == "thinking_budget"
+    assert reply.choices[0].model_extra["thinking_guard"] == "thinking_budget"
 
 
 def test_streamed_split_equals_the_whole_one(thinker):
     kwargs = {"temperature": 0.7, "seed": 3, "max_tokens": 40, "extra_body": {"thinking_budget": 9}}
     whole = _chat(thinker, **kwargs).parse().choices[0].message
     model = thinker.models.list().data[0].id
-    reasoning, content = "", ""
+    reasoning, content, guards = "", "", []
     for chunk in thinker.chat.completions.create(model=model, messages=QUESTION, stream=True, **kwargs):
         if chunk.choices:
             delta = chunk.choices[0].delta
             reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
             content += delta.content or ""
+            guards.append((chunk.choices[0].model_extra or {}).get("thinking_guard"))
     assert reasoning == whole.model_extra["reasoning_content"] and content == whole.content
+    assert guards[-1] == "thinking_budget" and not any(guards[:-1])  # on the finish chunk only
 
 
 def test_thinking_off_gives_no_reasoning(thinker):
@@ -96,7 +99,13 @@ def test_a_looping_completion_is_cut_by_the_content_loop_guard(client, model):
     raw = client.completions.with_raw_response.create(model=model, prompt=LOOP, max_tokens=200, temperature=0)
     reply = raw.parse()
     assert reply.choices[0].finish_reason == "length" and raw.headers["x-finish-guard"] == "content_loop"
+    assert reply.choices[0].model_extra["finish_guard"] == "content_loop"
     assert reply.usage.completion_tokens < 100
+    # a stream names its guard on the choice's finish chunk (its headers went out first)
+    chunks = list(client.completions.create(model=model, prompt=LOOP, max_tokens=200, temperature=0, stream=True))
+    (last,) = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert last.finish_reason == "length" and last.model_extra["finish_guard"] == "content_loop"
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == reply.choices[0].text
     # per-request settings: a higher count lets the loop run longer before the cut
     longer = client.completions.create(
         model=model,
@@ -125,7 +134,7 @@ def test_a_timeout_ends_a_long_generation_with_the_deadline_guard(client, model)
     reply = raw.parse()
     assert raw.headers["x-finish-guard"] == "deadline" and reply.choices[0].finish_reason == "length"
     assert 0 < reply.usage.completion_tokens < 4000
-    assert elapsed < 2.5, elapsed
+    assert elapsed < 3.0, elapsed  # 1 s, then a step; unbounded it would run for minutes
 
 
 def test_bad_guard_settings_are_400_naming_the_field(stack, model):

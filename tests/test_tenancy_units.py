@@ -227,6 +227,21 @@ def test_prompt_and_max_tokens_beyond_the_context_are_400_with_the_numbers(make_
     assert _post(app, COMPLETIONS, {"prompt": [1] * 8000, "max_tokens": 192}).status_code == 200
 
 
+def test_max_model_len_caps_the_context_below_the_models(engine, monkeypatch):
+    """MAX_MODEL_LEN, which the engine honours, is the frontend's context too."""
+    from backend.convert import ensure_default_model
+
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MAX_MODEL_LEN", "1024")
+    app = create_app(Settings(str(ensure_default_model()), "smol"))
+    app.state.serving.engine = engine
+    error = _assert_error(_post(app, COMPLETIONS, {"prompt": [1] * 1000, "max_tokens": 100}), 400, "max_tokens")
+    assert all(str(n) in error["message"] for n in (1024, 1100, 1000, 100))
+    assert engine.requests == []
+    assert _post(app, COMPLETIONS, {"prompt": [1] * 1000, "max_tokens": 24}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

@@ -134,7 +134,7 @@ def test_a_deadline_ends_a_long_generation_within_about_a_step(plain):
     final = finals["deadline"]
     assert final.stop_guard is StopGuard.DEADLINE and final.finish_reason is FinishReason.LENGTH
     assert final.completion_tokens > 0
-    assert 1.0 <= elapsed < 1.5, elapsed  # one decode step on this model is ~40 ms
+    assert 1.0 <= elapsed < 2.0, elapsed  # a decode step on this model is ~40 ms; the rest is slack for busy CI
 
 
 def test_a_grammar_applies_only_after_thinking(thinker):
