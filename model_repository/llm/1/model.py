@@ -15,6 +15,7 @@ their finals, new ones are refused.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -88,6 +89,9 @@ class TritonPythonModel:
             leftovers, self._live = self._live, {}
         for live in leftovers.values():
             _send_quietly(live.sender, _error_response(RuntimeError("the server shut down")), FINAL)
+        if not self._sender.is_alive():  # else it may still publish
+            self._metrics = None
+            _release_metric_families()
 
     # -- execute(): parse, validate, hand over ------------------------------
 
@@ -329,6 +333,14 @@ class _Metrics:
 
 
 _families: list = []  # a MetricFamily must outlive its Metric objects
+
+
+def _release_metric_families() -> None:
+    """Free the metrics while the stub still runs. Left to the interpreter's exit, a
+    MetricFamily's destructor writes to the stub's shared memory after it is gone and
+    the stub segfaults on every unload (measured: 10 of 12 server logs)."""
+    _families.clear()
+    gc.collect()
 
 
 def _metric(name: str, description: str, kind):
