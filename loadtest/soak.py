@@ -43,7 +43,7 @@ KEYS = {"sk-soak-alpha": "alpha", "sk-soak-beta": "beta"}
 RSS_TOLERANCE_FRACTION = 0.10
 RSS_TOLERANCE_MB = 100.0
 SETTLE_TIMEOUT_S = 60.0  # rest must come within this after the load stops
-STOP_TIMEOUT_S = 120  # users finish the request they are in; the client gives up on one sooner
+STOP_TIMEOUT_S = 360  # users finish the request they are in; the client gives up on one sooner (300 s)
 DEFAULT_OUT = REPO_ROOT / "build" / "soak"
 
 
@@ -174,7 +174,7 @@ def run_locust(stack: Stack, config: SoakConfig, seconds: float, name: str) -> S
     env = dict(os.environ, SOAK_KEYS=",".join(KEYS), SOAK_SAMPLES=str(samples_path), MODEL=stack.served_model_name)
     with open(config.out_dir / f"{name}_locust.log", "w") as log:
         subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
-                       timeout=seconds + 300)  # fmt: skip
+                       timeout=seconds + STOP_TIMEOUT_S + 120)  # fmt: skip
     return Samples.load(samples_path)
 
 

@@ -33,7 +33,7 @@ PROMPTS = [
     "the life cycle of a star",
     "what makes a bridge stable",
 ]
-CLIENT_TIMEOUT_S = 60  # no byte for this long: the request is lost (under soak.py's stop timeout)
+CLIENT_TIMEOUT_S = 300  # no byte for this long: the request is lost (under soak.py's stop timeout)
 _user_numbers = itertools.count()
 
 
