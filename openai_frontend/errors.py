@@ -68,6 +68,9 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return bad_request(None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        # also what a JSON body sent without `Content-Type: application/json` becomes
+        return bad_request(None, "the body must be a JSON object, sent with Content-Type: application/json")
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if param and not message.startswith(param):

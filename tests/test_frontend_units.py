@@ -421,14 +421,24 @@ def test_errors_have_the_openai_shape(app, path, body, status, param):
     assert error["param"] == param and error["message"] and "type" in error and "code" in error
 
 
-def test_malformed_json_is_400(app):
+@pytest.mark.parametrize(
+    ("content", "content_type", "says"),
+    [
+        (b"{not json", "application/json", "not valid JSON"),
+        (b'["a", "list"]', "application/json", "must be a JSON object"),
+        (b'{"prompt": "hi"}', None, "Content-Type: application/json"),  # JSON, but not declared
+        (b"", "application/json", "must be a JSON object"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_is_400_saying_so(app, content, content_type, says):
     async def run():
         async with _client(app, FakeEngine([])) as client:
-            headers = {"content-type": "application/json"}
-            return await client.post("/v1/completions", content=b"{not json", headers=headers)
+            headers = {"content-type": content_type} if content_type else {}
+            return await client.post("/v1/completions", content=content, headers=headers)
 
     response = asyncio.run(run())
-    assert response.status_code == 400 and response.json()["error"]["param"] is None
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None and says in error["message"], error
 
 
 def test_engine_failure_is_500(app):
