@@ -99,11 +99,11 @@ class SoakUser(HttpUser):
     def _send(self, chat: bool, stream: bool, leave_after: int | None = None) -> None:
         """One request, read to its end (or, with `leave_after`, hung up on after that many
         stream lines), and counted."""
+        if STOPPING:
+            return
         kind = ("chat" if chat else "completion") + (" stream" if stream else "")
         path = "/v1/chat/completions" if chat else "/v1/completions"
         name = f"{path} ({'left' if leave_after is not None else 'stream' if stream else 'whole'})"
-        if STOPPING:
-            return
         STARTED[kind] += 1
         start = time.perf_counter()
         progress = IN_FLIGHT[id(self)] = {"kind": kind, "start": time.time(), "at": "sent"}

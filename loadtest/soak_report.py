@@ -43,7 +43,7 @@ class Samples:
         """One line per lost request: what the client saw."""
         lost = [f"{row['kind']}, {row['latency_s']:.1f} s: {row.get('detail') or 'no detail'}"
                 for row in self.rows if row["outcome"] == "lost"]  # fmt: skip
-        cut = [f"{entry['kind']}: still in flight at the stop ({entry['at']}, {entry.get('age_s', '?')} s old)"
+        cut = [f"{entry['kind']}: still in flight at the stop ({entry['at']}, {entry['age_s']} s old)"
                for entry in self.cut]  # fmt: skip
         return lost + cut
 

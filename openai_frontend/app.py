@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backend.config import EngineConfig
 from openai_frontend.auth import KeyRing
 from openai_frontend.errors import INVALID_REQUEST, OpenAIError, error_response, install_handlers, service_unavailable
 from openai_frontend.limits import Limits, LimitSettings, Ticket
@@ -194,8 +195,9 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
-    if tokenization is None:  # the engine reads the same MAX_MODEL_LEN (backend/config.py)
-        tokenization = Tokenization(settings.model_path, max_model_len=int(os.environ.get("MAX_MODEL_LEN") or 0))
+    if tokenization is None:  # the context cap as the engine reads it (MAX_MODEL_LEN)
+        max_model_len = EngineConfig.from_env(settings.model_path).max_model_len
+        tokenization = Tokenization(settings.model_path, max_model_len=max_model_len)
     serving = Serving(tokenization, settings.served_model_name, dump_dir=dump_dir)
     serving.metrics.engine_url = settings.triton_metrics_url
 

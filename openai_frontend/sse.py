@@ -59,7 +59,7 @@ class ChunkFormat:
         choice = self._choice(index, text, finish_reason, delta)
         if delta is not None and self._logprobs is not None:
             choice["logprobs"] = self._logprobs(index, delta)
-        if delta is not None and delta.outcome is not None and finish_reason is not None:
+        if delta is not None and delta.outcome is not None:  # the choice's finish chunk
             choice.update(guard_fields(delta.outcome))
         return self._chunk([choice])
 
@@ -102,8 +102,8 @@ class CompletionChunkFormat(ChunkFormat):
 
 
 def guard_fields(outcome: Outcome) -> dict[str, str]:
-    """The guards that ended a choice (extension fields; also the x-finish-guard and
-    x-thinking-guard headers of a whole response): on the choice's finish chunk."""
+    """The guards that ended a choice, as its extension fields (on a stream's finish
+    chunk, or on a whole response's choice, whose headers also carry them)."""
     fields = {"finish_guard": outcome.stop_guard} if outcome.stop_guard else {}
     if outcome.thinking_guard:
         fields["thinking_guard"] = outcome.thinking_guard
