@@ -34,7 +34,7 @@ COPY openai_frontend openai_frontend
 COPY launcher launcher
 COPY model_repository model_repository
 # Convert the default model once, at build time: nothing is downloaded at run time.
-RUN python -m backend.convert
+RUN python -m backend.runner.convert
 
 EXPOSE 8000
 # HOST=0.0.0.0 exposes the API beyond the container: put keys or a proxy in front of it.

@@ -53,7 +53,8 @@ def grammar_step_s(model_path: str, vocab: int, steps: int = 40) -> float:
     """Median seconds, per step, of masking and advancing 32 grammar rows."""
     from transformers import AutoTokenizer
 
-    from backend.grammar import GrammarCompiler, apply_grammar_masks
+    from backend.sampling.grammar import apply_grammar_masks
+    from backend.sampling.grammar_compiler import GrammarCompiler
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     compiler = GrammarCompiler(model_path, vocab, [tokenizer.eos_token_id])
@@ -76,7 +77,7 @@ def grammar_step_s(model_path: str, vocab: int, steps: int = 40) -> float:
 
 
 def main() -> str:
-    from backend.convert import ensure_default_model
+    from backend.runner.convert import ensure_default_model
 
     model_path = str(ensure_default_model())
     forward, vocab = forward_step_s(model_path)

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from backend.request import SamplingParams
-from backend.sampler import SamplingRow, sample
+from backend.contract import GenerationRequest, SamplingParams
+from backend.sampling.sampler import SamplingRow, sample
 
 ROWS = 32
 HISTORY = 300
@@ -63,9 +63,8 @@ def sampler_step_s(vocab: int, rows: int = ROWS, history: int = HISTORY, repeats
 
 def forward_step_s(model_path: str, rows: int = ROWS, history: int = HISTORY, steps: int = 6) -> tuple[float, int]:
     """(median seconds of one decode step of the engine with `rows` sequences, vocabulary size)."""
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.request import EngineRequest
+    from backend.core.config import EngineConfig
+    from backend.core.engine import LLMEngine
 
     config = EngineConfig(model_path=model_path, enable_prefix_caching=False, max_num_batched_tokens=rows * history)
     engine = LLMEngine(config)
@@ -73,7 +72,7 @@ def forward_step_s(model_path: str, rows: int = ROWS, history: int = HISTORY, st
     rng = random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(rows):
-        engine.add_request(EngineRequest(f"cost-{i}", [rng.randrange(vocab) for _ in range(history)], params))
+        engine.add_request(f"cost-{i}", GenerationRequest([rng.randrange(vocab) for _ in range(history)], params))
     engine.step()  # the whole prefill, in one step
     times = []
     while engine.has_unfinished_requests():
@@ -85,7 +84,7 @@ def forward_step_s(model_path: str, rows: int = ROWS, history: int = HISTORY, st
 
 
 def main() -> str:
-    from backend.convert import ensure_default_model
+    from backend.runner.convert import ensure_default_model
 
     forward, vocab = forward_step_s(str(ensure_default_model()))
     sampler = sampler_step_s(vocab)

@@ -90,21 +90,21 @@ def bench_transformers(model_path: str, prompt: list[int], tokens: int) -> float
 
 def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens: int) -> tuple[float, int]:
     """In-process engine: (tokens/s, weight bytes). One stream: decode rate; more: aggregate."""
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.request import EngineRequest, SamplingParams
+    from backend.contract import GenerationRequest, SamplingParams
+    from backend.core.config import EngineConfig
+    from backend.core.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_path=model_path, enable_prefix_caching=False))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm up
     start = time.perf_counter()
     for i in range(streams):
-        engine.add_request(EngineRequest(f"bench-{i}", prompts[i], params))
+        engine.add_request(f"bench-{i}", GenerationRequest(prompts[i], params))
     first_token_at, produced = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            produced += len(out.new_token_ids)
-            if first_token_at is None and out.new_token_ids:
+            produced += len(out.token_ids)
+            if first_token_at is None and out.token_ids:
                 first_token_at = time.perf_counter()
     end = time.perf_counter()
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from backend.convert import ensure_default_model
+    from backend.runner.convert import ensure_default_model
 
     model_path = args.model or str(ensure_default_model())
     concurrency = [int(c) for c in args.concurrency.split(",")]

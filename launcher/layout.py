@@ -152,6 +152,6 @@ def default_model_path(explicit: str | Path | None = None) -> Path:
         if not (path / "config.json").exists():
             raise SetupError(f"{path} is not a Hugging Face model folder (no config.json)")
         return path
-    from backend.convert import ensure_default_model
+    from backend.runner.convert import ensure_default_model
 
     return Path(ensure_default_model())

@@ -109,14 +109,7 @@ def plot_rss(result: SoakResult, path: Path) -> None:
 
 def summary(result: SoakResult) -> str:
     """summary.md: the figures, and PASS or what failed."""
-    from loadtest.soak import rss_limit
-
-    samples, base, after = result.samples, result.baseline, result.after
-    outcomes = Counter(row["outcome"] for row in samples.rows)
-    answered = samples.answered()
-    tokens = sum(row["tokens"] for row in answered)
-    kinds = Counter(row["kind"] for row in samples.rows)
-    statuses = Counter(row["status"] for row in samples.rows)
+    samples = result.samples
     lines = [
         f"# Soak: {result.config.minutes:g} min, {result.config.users} users, 2 tenants",
         "",
@@ -126,6 +119,25 @@ def summary(result: SoakResult) -> str:
         "",
         "| figure | value |",
         "|---|---|",
+        *_figures(result),
+        "",
+        "Plots: latency.png (p50/p95 over time), throughput.png, rss.png.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _figures(result: SoakResult) -> list[str]:
+    """The summary table's rows."""
+    from loadtest.soak import rss_limit
+
+    samples, base, after = result.samples, result.baseline, result.after
+    outcomes = Counter(row["outcome"] for row in samples.rows)
+    answered = samples.answered()
+    tokens = sum(row["tokens"] for row in answered)
+    kinds = Counter(row["kind"] for row in samples.rows)
+    statuses = Counter(row["status"] for row in samples.rows)
+    return [
         f"| requests ended | {len(samples.rows)} ({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))}) |",
         f"| answered / explicit errors / left by the client | "
         f"{outcomes['ok']} / {outcomes['error']} / {outcomes['left']} |",
@@ -143,11 +155,7 @@ def summary(result: SoakResult) -> str:
         f"{rss_limit(base.frontend_rss_mb):.0f} MB |",
         f"| peak RSS during load (stub / frontend) | {max(p.stub_rss_mb for p in [base, *result.rss_trace]):.0f} / "
         f"{max(p.frontend_rss_mb for p in [base, *result.rss_trace]):.0f} MB |",
-        "",
-        "Plots: latency.png (p50/p95 over time), throughput.png, rss.png.",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def write_report(result: SoakResult, out_dir: Path) -> Path:

@@ -30,9 +30,9 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def thinking_model_path(model_path):
-    """The reasoning variant of the default model (tests/thinking_model.py), built once
+    """The reasoning variant of the default model (tests/helpers/thinking_model.py), built once
     into build/ and reused."""
-    from tests.thinking_model import build_thinking_model
+    from tests.helpers.thinking_model import build_thinking_model
 
     return build_thinking_model(Path(__file__).resolve().parent.parent / "build" / "models" / "SmolLM2-thinking")
 

@@ -1,0 +1,220 @@
+"""The request: what a client asks of model `llm`, one typed value at every layer.
+
+The frontend builds a `GenerationRequest` from an OpenAI body, `backend.contract.wire`
+encodes it to named tensors, model.py decodes those into the same type, and the engine
+reads it by attribute. A field's name here is its tensor's name and the engine's name
+for it; its default is what an absent tensor means (the value that turns its feature
+off, or None for "the model's default").
+
+`validate()` checks every value; it runs where a request is built: in the frontend's
+builder and in the model's decoding of what came over the wire (any Triton client may
+send it). The engine trusts the requests it is given. Checks that need the model's
+facts (the vocabulary, the context length) take them as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from backend.contract.errors import ContractError
+
+# llama.cpp's default DRY sequence breakers
+DEFAULT_DRY_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
+MAX_TOP_LOGPROBS = 20
+
+# Fields of the seed's request whose feature is not built yet: refused unless at their default.
+_BEAMS = "translation with beam search"
+UNBUILT: dict[str, str] = {
+    "session_hash": "prefix-aware routing",
+    "adapter_slot": "LoRA adapters",
+    "src_lang_id": _BEAMS,
+    "tgt_lang_id": _BEAMS,
+    "num_beams": _BEAMS,
+    "length_penalty": _BEAMS,
+    "early_stopping": _BEAMS,
+    "images": "vision inputs",
+    "videos": "vision inputs",
+}
+
+Check = tuple[str, bool, str]  # (field, whether it holds, why not)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How each token is drawn (docs/sampling.md has the order and the formulas) and
+    when the generation stops.
+
+    temperature 0 means greedy. top_k 0, top_p 1, min_p 0, top_n_sigma 0,
+    repetition_penalty 1, presence/frequency_penalty 0, dry_multiplier 0, lz_penalty 0
+    and an empty logit bias are off. max_tokens None: up to the context length. A
+    seeded request draws from a generator seeded from (seed, token index), so its
+    tokens do not depend on its batch. The logit bias is two parallel tuples (token ids,
+    values); a repeated id adds up. Logprobs describe the raw distribution (before
+    bias, penalties and temperature); prompt_logprobs N: each prompt token's logprob
+    and its N most likely alternatives (None: none).
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_n_sigma: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens (HF / vLLM)
+    presence_penalty: float = 0.0  # over output tokens (OpenAI)
+    frequency_penalty: float = 0.0  # over output tokens (OpenAI)
+    dry_multiplier: float = 0.0  # DRY (llama.cpp), over prompt and output tokens
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    lz_penalty: float = 0.0  # ours: logit -= lz_penalty * repeat length
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: generate past EOS (benchmarks)
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: int = 0  # and this many alternatives (implies logprobs)
+    prompt_logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler needs the request's token history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.dry_multiplier != 0.0
+            or self.lz_penalty != 0.0
+        )
+
+    def checks(self, vocab_size: int | None) -> Iterator[Check]:
+        yield from self._length_checks()
+        yield from self._sampler_checks()
+        yield from self._penalty_checks()
+        yield from self._bias_checks(vocab_size)
+        yield ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        prompt_ok = self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        yield ("prompt_logprobs", prompt_ok, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    def _length_checks(self) -> Iterator[Check]:
+        yield ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1")
+        yield ("min_tokens", self.min_tokens >= 0, "must be at least 0")
+        fits = self.max_tokens is None or self.min_tokens <= self.max_tokens
+        yield ("min_tokens", fits, "must not exceed max_tokens")
+
+    def _sampler_checks(self) -> Iterator[Check]:
+        yield ("temperature", self.temperature >= 0.0, "must be at least 0")
+        yield ("top_k", self.top_k >= 0, "must be at least 0 (0 turns it off)")
+        yield ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        yield ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        yield ("top_n_sigma", self.top_n_sigma >= 0.0, "must be at least 0 (0 turns it off)")
+
+    def _penalty_checks(self) -> Iterator[Check]:
+        yield ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0 (1 turns it off)")
+        yield ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]")
+        yield ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]")
+        yield ("dry_multiplier", self.dry_multiplier >= 0.0, "must be at least 0 (0 turns it off)")
+        yield ("dry_base", self.dry_base >= 1.0, "must be at least 1")
+        yield ("dry_allowed_length", self.dry_allowed_length >= 1, "must be at least 1")
+        yield ("lz_penalty", self.lz_penalty >= 0.0, "must be at least 0 (0 turns it off)")
+
+    def _bias_checks(self, vocab_size: int | None) -> Iterator[Check]:
+        paired = len(self.logit_bias_values) == len(self.logit_bias_ids)
+        yield ("logit_bias_values", paired, "must hold one value per id in logit_bias_ids")
+        end = vocab_size if vocab_size is not None else 2**31
+        in_range = f"must be in [0, {vocab_size})" if vocab_size is not None else "must be at least 0"
+        yield ("logit_bias_ids", all(0 <= t < end for t in self.logit_bias_ids), f"token ids {in_range}")
+        bounded = all(-100.0 <= v <= 100.0 for v in self.logit_bias_values)
+        yield ("logit_bias_values", bounded, "values must be in [-100, 100]")
+
+
+@dataclass(slots=True)
+class GuardParams:
+    """What watches the generation besides its length: thinking, loops, time, tools.
+
+    None means the model settings' default (MODEL.toml [reasoning] and [guards]).
+    """
+
+    enable_thinking: bool = False  # force a thinking block the prompt did not open
+    thinking_budget: int | None = None  # thinking tokens before the end marker is forced
+    loop_min_pattern_size: int | None = None
+    loop_max_pattern_size: int | None = None
+    loop_min_count: int | None = None  # 0: loop detectors off
+    timeout_s: float | None = None  # from the request's arrival; 0: none
+    tools_present: bool = False  # the request offers tools: a closing call tag never ends the turn
+    require_tool_call: bool = False  # EOS and stop tokens are masked until a call has opened
+    suppress_tool_call: bool = False  # the token that would complete the call trigger is masked
+
+    def checks(self) -> Iterator[Check]:
+        budget_ok = self.thinking_budget is None or self.thinking_budget >= 0
+        yield ("thinking_budget", budget_ok, "must be at least 0")
+        yield ("timeout_s", self.timeout_s is None or self.timeout_s >= 0, "must be at least 0 (0: none)")
+        # the pattern sizes are checked with the model's defaults filled in (backend.guards.thinking)
+        yield ("loop_min_count", self.loop_min_count is None or self.loop_min_count >= 0, "must be at least 0")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation: the prompt's tokens and everything that shapes the output."""
+
+    prompt_tokens: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    guards: GuardParams = field(default_factory=GuardParams)
+    # structured output: an xgrammar grammar the output follows ("" kind: none);
+    # json_object | json_schema | regex | ebnf | structural_tag, and its text
+    grammar_kind: str = ""
+    grammar_spec: str = ""
+    lookup_tenant: str = ""  # scopes the prefix cache (the API key's tenant)
+    stream: bool = False  # False: the model sends one response at the end
+    disable_mtp: bool = False  # no draft yet, so disabling speculation is always honoured
+    # not built yet (UNBUILT): refused unless at the default
+    session_hash: str = ""
+    adapter_slot: int = 0
+    src_lang_id: int = 0
+    tgt_lang_id: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    images: tuple[bytes, ...] = ()
+    videos: tuple[bytes, ...] = ()
+
+    def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
+        """Raise ContractError naming the first bad field. With `vocab_size`, token ids
+        (prompt and logit bias) are checked against the vocabulary; with `max_model_len`,
+        the prompt against the context, which must also hold one generated token."""
+        checks = (*self._checks(vocab_size, max_model_len), *self.sampling.checks(vocab_size), *self.guards.checks())
+        for name, ok, why in checks:
+            if not ok:
+                raise ContractError(name, why)
+
+    def _checks(self, vocab_size: int | None, max_model_len: int | None) -> Iterator[Check]:
+        prompt = self.prompt_tokens
+        yield ("prompt_tokens", bool(prompt), "must hold at least one token")
+        end = vocab_size if vocab_size is not None else 2**31
+        bad = next((t for t in prompt if not 0 <= t < end), None)
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, 2**31)"
+        yield ("prompt_tokens", bad is None, f"token id {bad} is outside {where}")
+        fits = max_model_len is None or len(prompt) < max_model_len
+        context = (
+            f"the prompt has {len(prompt)} tokens; this model's context is {max_model_len} tokens, "
+            "which must hold the prompt and at least one generated token"
+        )
+        yield ("prompt_tokens", fits, context)
+        for name, feature in UNBUILT.items():
+            default = _DEFAULTS[name]
+            unset = getattr(self, name) == default
+            yield (name, unset, f"{feature} is not supported by this server yet; leave it out or set it to {default!r}")
+
+
+_DEFAULTS = {name: getattr(GenerationRequest([]), name) for name in UNBUILT}

@@ -1,0 +1,161 @@
+"""The KV block pool, block tables and the prefix cache: the scheduler's only door to memory.
+
+Blocks hold `block_size` tokens. A full block gets a chain hash over its parent's
+hash, the tenant, the adapter and its tokens, so a block is reused only by a
+sequence with the very same history under the same tenant and adapter: one tenant
+never reads another's cached prefix. The hash is SHA-256 (truncated), so a caller
+cannot craft a collision into another tenant's blocks.
+
+Free blocks wait in one LRU queue, cached or not. Allocation takes from the front;
+taking a cached block evicts its hash. A freed sequence returns its blocks tail
+first, so a prefix outlives its suffixes.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import hashlib
+from dataclasses import dataclass
+
+from backend.core.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class KVEventKind(enum.Enum):
+    STORED = "stored"
+    EVICTED = "evicted"
+
+
+@dataclass(slots=True, frozen=True)
+class KVEvent:
+    kind: KVEventKind
+    block_hash: bytes
+
+
+def _root_hash(tenant: str, adapter: int) -> bytes:
+    return hashlib.sha256(f"root\0{tenant}\0{adapter}".encode()).digest()[:16]
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    data = parent + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)
+    return hashlib.sha256(data).digest()[:16]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: collections.OrderedDict[int, Block] = collections.OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, Block] = {}
+        self.events: collections.deque[KVEvent] = collections.deque(maxlen=4096)
+
+    # -- pool state ---------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------
+
+    def _hash_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extend seq.block_hashes over the full blocks among its first `upto_tokens`."""
+        parent = (
+            seq.block_hashes[-1]
+            if seq.block_hashes
+            else _root_hash(seq.request.lookup_tenant, seq.request.adapter_slot)
+        )
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), upto_tokens // bs):
+            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(parent)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """The longest run of cached blocks matching the start of the sequence.
+
+        The last token is never a hit: its logits must be computed to sample the next.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(seq, seq.num_tokens - 1)
+        hits = []
+        for block_hash in seq.block_hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            return
+        self._hash_full_blocks(seq, seq.num_computed_tokens)
+        for i in range(seq.num_registered_blocks, num_full):
+            block, block_hash = self.blocks[seq.block_table[i]], seq.block_hashes[i]
+            # The same content may have been computed twice concurrently: keep the first copy.
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+                self.events.append(KVEvent(KVEventKind.STORED, block_hash))
+        seq.num_registered_blocks = num_full
+
+    # -- allocation ---------------------------------------------------------
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens of seq; False (nothing changed) if full.
+
+        `computed` are prefix-cache hits of a sequence being admitted (empty block table).
+        """
+        reviving = sum(1 for b in computed if b.ref_count == 0)
+        total = len(seq.block_table) + len(computed)
+        needed = self.blocks_needed(seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens)
+        new = max(0, needed - total)
+        if new + reviving > len(self._free):
+            return False
+        seq.num_registered_blocks += len(computed)
+        for block in computed:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(new):
+            seq.block_table.append(self._take_free_block().block_id)
+        return True
+
+    def _take_free_block(self) -> Block:
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+                self.events.append(KVEvent(KVEventKind.EVICTED, block.block_hash))
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first; cached ones stay reusable until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = block
+        seq.block_table.clear()
+        seq.num_registered_blocks = 0

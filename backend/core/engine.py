@@ -1,0 +1,162 @@
+"""The engine: requests in, a step at a time, outputs out.
+
+`step()` reads as the design does: the scheduler plans the step, the model runner
+computes it, the scheduler updates the sequences from what it computed and returns
+the outputs. Not thread-safe by design: one thread (backend.serving.engine_thread)
+owns it; `prepare` alone may run on another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from backend.contract import ContractError, GenerationRequest, ModelInfo, RequestOutput
+from backend.core.block_manager import BlockManager
+from backend.core.config import EngineConfig
+from backend.core.scheduler import Scheduler
+from backend.core.sequence import Sequence
+from backend.core.step import SchedulerOutput
+from backend.guards.policy import Guards
+from backend.guards.thinking import Markers
+from backend.guards.tools import ToolGuards
+from backend.runner.model_runner import ModelRunner
+from backend.sampling.grammar import CompiledGrammar
+from backend.sampling.grammar_compiler import GrammarCompiler
+from backend.sampling.vocab import Vocabulary, load_tokenizer
+from backend.settings.model_settings import ModelSettings
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        mc = self.runner.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # the context a request may use: the model's, MAX_MODEL_LEN's, and what the pool holds
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings,
+            mc.max_position_embeddings,
+            self.runner.num_blocks * config.block_size,
+        )
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.vocab = Vocabulary(self.tokenizer, self.vocab_size) if self.tokenizer is not None else None
+        self.settings = ModelSettings.load(config.model_path)
+        markers = Markers.for_model(self.settings.reasoning, self.tokenizer)
+        tools = ToolGuards.for_model(self.settings.tools.call_tags, self.tokenizer)
+        self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
+        self.scheduler = Scheduler(self.block_manager, self.guards, config.max_num_seqs, config.max_num_batched_tokens)
+        self._grammars: GrammarCompiler | None = None  # made on the first grammar request
+        self._grammars_lock = threading.Lock()
+
+    def model_info(self) -> ModelInfo:
+        """The facts the frontend reads from the running model."""
+        reasoning, tools = self.settings.reasoning, self.settings.tools
+        start, end = tools.call_tags
+        return ModelInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            sampling_defaults=dict(self.settings.sampling),
+            think_start=reasoning.think_start,
+            think_end=reasoning.think_end,
+            tool_parser=tools.parser,
+            tool_call_start=start,
+            tool_call_end=end,
+        )
+
+    # -- requests -----------------------------------------------------------
+
+    def prepare(self, request: GenerationRequest) -> CompiledGrammar | None:
+        """What a request needs before `add_request` that may run on any thread: its
+        grammar, compiled (or taken from the cache). The Triton model calls it on the
+        request's own thread, so a slow compilation never stalls the running batch.
+        Raises ContractError naming grammar_kind / grammar_spec."""
+        if not request.grammar_kind:
+            return None
+        return self.grammar_compiler().compile(request.grammar_kind, request.grammar_spec)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (and its cache of compiled grammars); thread-safe."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ContractError("grammar_kind", "this model folder has no tokenizer, which grammars need")
+                self._grammars = GrammarCompiler(self.config.model_path, self.vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def add_request(
+        self,
+        request_id: str,
+        request: GenerationRequest,
+        arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
+    ) -> None:
+        """Queue a validated request (`GenerationRequest.validate`, with this model's
+        vocabulary and context); `grammar`: its prepared grammar, else it is prepared here.
+        Raises ContractError naming the field for what only the engine can judge."""
+        if grammar is None:
+            grammar = self.prepare(request)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence.of(request_id, request, arrival, self.guards.admit(request, arrival, grammar))
+        params = request.sampling
+        if params.dry_multiplier and self.vocab is not None:
+            seq.dry_breaker_ids = self.vocab.ids_containing(params.dry_sequence_breakers)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its final output (abort) comes out of the next step()."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = None if plan.is_empty else self.runner.execute(plan.scheduled, self._sampling_rows(plan))
+        return self.scheduler.update(plan, result)
+
+    def _sampling_rows(self, plan: SchedulerOutput):
+        return [self.guards.sampling_row(item.seq) for item in plan.completing]
+
+    # -- state, for the Triton model's gauges ----------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks()
+
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def num_running(self) -> int:
+        """Sequences admitted to the batch (vLLM's num_requests_running)."""
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        """Sequences queued for admission, preempted ones included (num_requests_waiting)."""
+        return len(self.scheduler.waiting)
+
+    # -- convenience for tests and benchmarks ------------------------------
+
+    def generate(self, prompts: list[list[int]], params) -> list[list[int]]:
+        """Run prompts to completion together under SamplingParams (one, or one each);
+        return each one's emitted tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, GenerationRequest(list(prompt), p))
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.scheduler.requests for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.token_ids)
+        return [results[rid] for rid in ids]

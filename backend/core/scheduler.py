@@ -1,0 +1,174 @@
+"""Continuous batching under one token budget per step, and each sequence's lifecycle.
+
+The scheduler owns a sequence from admission to its end (as vLLM v1's and nano-vllm's
+do): `add`, `schedule` a step, `update` from what the step computed (append tokens,
+consult the guards, finish), `abort`. Each step, running sequences come first (a
+decode costs one token, an unfinished prompt a chunk of it), then waiting sequences
+are admitted while the budget, `max_num_seqs` and the block pool allow. When the pool
+runs dry for a running sequence, the most recently admitted one is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed (its
+cached prefix blocks usually survive, so the recompute is mostly cache hits).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from backend.contract import ContractError, FinishGuard, FinishReason, Logprob, RequestOutput
+from backend.core.block_manager import BlockManager
+from backend.core.outputs import final_event, token_output
+from backend.core.sequence import Sequence, SequenceStatus
+from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
+from backend.guards.policy import Guards, finish_reason
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, guards: Guards, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.guards = guards
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._ended: list[Sequence] = []  # finished between steps (abort, deadline): final next update
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ContractError("request_id", f"{seq.request_id!r} is already in flight")
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its final output (abort) comes out of the next update."""
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._end(seq, FinishReason.ABORT, FinishGuard.CANCELLED)
+
+    def has_unfinished(self) -> bool:
+        """Sequences to work on, or finals still to report."""
+        return bool(self.requests or self._ended)
+
+    def _end(self, seq: Sequence, reason: FinishReason, guard: FinishGuard) -> None:
+        """Finish outside a step: the final output waits for the next update."""
+        self._finish(seq, reason, guard)
+        self._ended.append(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, guard: FinishGuard) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.finish_guard = reason, guard
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        del self.requests[seq.request_id]
+
+    # -- one step: schedule ---------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = time.monotonic()
+        self._expire_deadlines(now)
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        self.num_preemptions += len(out.preempted)
+        for item in out.scheduled:  # a sequence's queue time ends with its first step
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        return out
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Every sequence past its deadline ends with what it has, waiting ones included."""
+        for seq in [s for s in self.requests.values() if self.guards.expired(s, now)]:
+            self._end(seq, FinishReason.LENGTH, FinishGuard.DEADLINE)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # prompt logprobs need every prompt position computed: no prefix hits
+            hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
+            num_hit_tokens = len(hits) * bm.block_size
+            num_new = min(seq.num_tokens - num_hit_tokens, budget)
+            if not bm.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_hit_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- one step: update from what it computed ---------------------------------
+
+    def update(self, plan: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
+        """The step's outputs: the finals of sequences ended since the last update, then
+        one per sequence that sampled a token."""
+        now = time.monotonic()
+        outputs = [RequestOutput(seq.request_id, [], final=final_event(seq, now)) for seq in self._ended]
+        self._ended.clear()
+        if result is None:
+            return outputs
+        completing = plan.completing  # before the sequences advance
+        for seq, start, computed in result.prompt_logprobs:
+            del seq.prompt_logprobs[start:]  # a preempted prompt is recomputed from its start
+            seq.prompt_logprobs.extend(computed)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for item, token, logprob in zip(completing, result.tokens, logprobs, strict=True):
+            outputs.append(self._append(item.seq, token, logprob, now))
+        for item in plan.scheduled:
+            if not item.seq.is_finished:
+                self.block_manager.cache_full_blocks(item.seq)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        guard = self.guards.after_token(seq, token)
+        emitted = [token]
+        if guard is not None:
+            reason = finish_reason(guard)
+            if reason is FinishReason.STOP:
+                emitted = []  # a stopping token is counted, not emitted
+            self.block_manager.cache_full_blocks(seq)
+            self._finish(seq, reason, guard)
+        out = token_output(seq, emitted, logprob)
+        if out.prompt_logprobs is not None:
+            seq.prompt_logprobs = None  # sent: a later recompute (preemption) may use the prefix cache
+        if guard is not None:
+            out.final = final_event(seq, now)
+        return out

@@ -1,0 +1,180 @@
+"""Paged attention in plain torch, over the KV cache layout of backend/forward_batch.py.
+
+The model builds one `AttentionPlan` per forward (and per distinct sliding window) and
+reuses it in every layer, so the gather indices and masks cost once per step, not once
+per layer. Decode rows (one new token each) run as one batched SDPA call over their
+gathered, padded contexts; prefill chunks run one SDPA call per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.runner.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    token_rows: torch.Tensor | None  # [Bd] rows of the flat batch; None when every row decodes
+    slots: torch.Tensor  # [Bd * L] flat KV slot of each context position, padding points at slot 0
+    mask: torch.Tensor | None  # [Bd, 1, 1, L] additive (0 or -inf); None when nothing is masked
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first row of the chunk in the flat batch
+    end: int
+    slots: torch.Tensor | None  # [L] context slots; None when the chunk is the whole context
+    mask: torch.Tensor | None  # [Tq, L] bool; None means plain causal
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    decode: DecodeRows | None
+    prefills: list[PrefillChunk]
+
+
+def build_attention_plan(
+    batch: ForwardBatch, block_size: int, dtype: torch.dtype, sliding_window: int | None = None
+) -> AttentionPlan:
+    decode_seqs = [i for i, n in enumerate(batch.query_lens) if n == 1]
+    decode = _decode_rows(batch, decode_seqs, block_size, dtype, sliding_window) if decode_seqs else None
+    prefills = [_prefill_chunk(batch, i, block_size, sliding_window) for i, n in enumerate(batch.query_lens) if n > 1]
+    return AttentionPlan(decode, prefills)
+
+
+def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    # block_tables: [B, max_blocks] -> slots: [B, length], the flat slot of each context position
+    pos = torch.arange(length, device=block_tables.device)
+    return block_tables[:, pos // block_size] * block_size + pos % block_size
+
+
+def _decode_rows(
+    batch: ForwardBatch, seqs: list[int], block_size: int, dtype: torch.dtype, sliding_window: int | None
+) -> DecodeRows:
+    device = batch.block_tables.device
+    all_decode = len(seqs) == batch.num_seqs
+    tables = batch.block_tables
+    token_rows = None
+    if not all_decode:
+        index = torch.tensor(seqs, device=device)
+        tables = tables.index_select(0, index)
+        token_rows = torch.tensor([batch.query_start[i] for i in seqs], device=device)
+    ctx = [batch.context_lens[i] for i in seqs]
+    max_len = max(ctx)
+    slots = _context_slots(tables, max_len, block_size).reshape(-1)
+    if min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
+        return DecodeRows(token_rows, slots, None)  # no padding, no window: every key is seen
+    # The query is the last context token, so it may see every key of its context
+    # (and, with a sliding window, only the last `sliding_window` of them). An additive
+    # mask measured faster than a boolean one in SDPA's CPU kernel.
+    ctx_lens = torch.tensor(ctx, device=device)[:, None]
+    pos = torch.arange(max_len, device=device)[None, :]
+    seen = pos < ctx_lens
+    if sliding_window is not None:
+        seen &= pos >= ctx_lens - sliding_window
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    return DecodeRows(token_rows, slots, mask[:, None, None, :])
+
+
+def _prefill_chunk(batch: ForwardBatch, i: int, block_size: int, sliding_window: int | None) -> PrefillChunk:
+    start, end = batch.query_start[i], batch.query_start[i + 1]
+    q_len, ctx_len = end - start, batch.context_lens[i]
+    device = batch.block_tables.device
+    slots = None
+    if ctx_len > q_len:
+        slots = _context_slots(batch.block_tables[i : i + 1], ctx_len, block_size)[0]
+    mask = None
+    if slots is not None or sliding_window is not None:
+        # The chunk's queries are the last q_len positions of the context.
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+        k_pos = torch.arange(ctx_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    return PrefillChunk(start, end, slots, mask)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    kv_cache[0].view(num_slots, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(num_slots, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Write the new k/v at batch.slot_mapping, then attend; returns [T, num_heads, head_dim].
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
+    `plan` is build_attention_plan(batch, ...) shared by the layers; built here when absent.
+    """
+    if plan is None:
+        plan = build_attention_plan(batch, kv_cache.shape[2], q.dtype)
+    write_kv(kv_cache, k, v, batch.slot_mapping)
+    if plan.decode is not None and not plan.prefills:
+        return _decode_attention(q, kv_cache, plan.decode, scale)
+    out = torch.empty_like(q)
+    if plan.decode is not None:
+        rows = plan.decode.token_rows
+        out.index_copy_(0, rows, _decode_attention(q.index_select(0, rows), kv_cache, plan.decode, scale))
+    for chunk in plan.prefills:
+        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, scale: float) -> torch.Tensor:
+    # q: [Bd, H, D] -> [Bd, KV, G, D]: a KV head's G query heads act as G queries of one
+    # sequence, so GQA needs neither repeat_interleave nor enable_gqa here.
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, num_heads = q.shape[0], q.shape[1]
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k, v = (_gather(kv_cache[i], rows.slots, num_seqs) for i in (0, 1))
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows.mask, scale=scale)
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    # cache: [num_blocks, block_size, KV, D] -> [Bd, KV, L, D]. A dim-0 index_select on the
+    # flat [num_slots, KV * D] view measured ~2x faster than one select of k and v together.
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    flat = cache.view(-1, num_kv_heads * head_dim).index_select(0, slots)
+    return flat.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    # -> [Tq, H, D]
+    q_seq = q[chunk.start : chunk.end].transpose(0, 1)  # [H, Tq, D]
+    if chunk.slots is None:
+        k_seq, v_seq = k[chunk.start : chunk.end], v[chunk.start : chunk.end]  # [Tq, KV, D]
+    else:
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, chunk.slots)
+        k_seq, v_seq = kv[0], kv[1]  # [L, KV, D]
+    out = F.scaled_dot_product_attention(
+        q_seq,
+        k_seq.transpose(0, 1),
+        v_seq.transpose(0, 1),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,254 @@
+"""Our Llama-family forward: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM.
+
+Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer is
+a handful of large ops; the per-token cost is the weights' memory traffic plus a small,
+fixed number of torch dispatches per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention
+from backend.runner.forward_batch import ForwardBatch
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 only
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means no window anywhere
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], computed as transformers does (float32)."""
+    rope, dim = cfg.rope, cfg.head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope, cfg.max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the middle band
+    # interpolated smoothly between the two.
+    old_len = rope.original_max_position_embeddings or max_positions
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_MKLDNN = torch.backends.mkldnn.is_available()
+
+
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, in] @ weight_t: [in, out] (+ bias) -> [M, out].
+
+    Weights are stored transposed ([in, out]) for the CPU's sake, where the measured
+    float32 winners (2 cores) are: one token, MKL's GEMV on this layout (1.5x F.linear on
+    [out, in], and it keeps its speed when other processes share the cores); several
+    tokens, oneDNN (1.5x F.linear at 32 tokens). Elsewhere F.linear on the view.
+    """
+    if x.is_cpu and x.dtype == torch.float32:
+        if x.shape[0] == 1:
+            return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+        if _MKLDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, weight_t.t(), bias, "none", [], "")
+    return F.linear(x, weight_t.t(), bias)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps, self.scale = cfg.rms_norm_eps, d**-0.5
+        self.sliding_window = cfg.sliding_windows[index] if cfg.sliding_windows else None
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        self.input_norm = _empty(h, dtype=dtype, device=device)
+        # Matmul weights (suffix _t) are stored [in, out]; see `linear`.
+        self.qkv_t = _empty(h, qkv_rows, dtype=dtype, device=device)
+        self.qkv_bias = _empty(qkv_rows, dtype=dtype, device=device) if cfg.attention_bias else None
+        # Qwen3's q_norm and k_norm weights, one row per q head then per k head.
+        self.qk_norm = _empty(cfg.num_heads + cfg.num_kv_heads, d, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.o_proj_t = _empty(cfg.num_heads * d, h, dtype=dtype, device=device)
+        self.o_bias = _empty(h, dtype=dtype, device=device) if cfg.o_proj_bias else None
+        self.post_norm = _empty(h, dtype=dtype, device=device)
+        self.gate_up_t = _empty(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
+        self.down_t = _empty(cfg.intermediate_size, h, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
+        # x: [T, hidden]
+        x = x + self._attention(F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps), rope, kv_cache, batch, plan)
+        h = F.rms_norm(x, x.shape[-1:], self.post_norm, self.eps)
+        gate, up = linear(h, self.gate_up_t).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_t)
+
+    def _attention(self, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
+        cos, sin = rope
+        num_tokens, num_qk = h.shape[0], self.num_heads + self.num_kv_heads
+        qkv = linear(h, self.qkv_t, self.qkv_bias)  # [T, (H + 2 KV) * D]
+        qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)  # [T, H + KV, D]
+        if self.qk_norm is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
+        # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half is a
+        # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM._rotary).
+        qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan)  # [T, H, D]
+        return linear(out.reshape(num_tokens, -1), self.o_proj_t, self.o_bias)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = cfg
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head_t = _empty(cfg.hidden_size, cfg.vocab_size, dtype=dtype, device=device)
+        # Tied: the embedding table is lm_head_t's [vocab, hidden] view, not a copy.
+        self.embed_tokens = (
+            None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's new tokens; writes their k/v into kv_caches."""
+        table = self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
+        x = F.embedding(batch.input_ids, table)  # [T, hidden]
+        rope = self._rotary(batch.positions, x.dtype)
+        block_size = kv_caches[0].shape[2]
+        plans = {
+            w: build_attention_plan(batch, block_size, x.dtype, w)
+            for w in {layer.sliding_window for layer in self.layers}
+        }
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, batch, plans[layer.sliding_window])
+        return F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        return linear(hidden, self.lm_head_t).float()
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        # cos, sin: [T, 1, D], computed in float32 like transformers, then cast to the model dtype.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
+        cos = torch.cat((cos, cos), dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors (name, tensor) into the fused parameters."""
+        targets = self._weight_targets()
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if name not in targets:
+                raise ValueError(f"unexpected weight {name!r} in a {self.config.architecture} checkpoint")
+            param_name, rows = targets[name]
+            param = self.get_parameter(param_name)
+            # A checkpoint's [out, in] rows are the columns of our [in, out] _t weights.
+            dst, src = (param[:, rows], tensor.t()) if param_name.endswith("_t") else (param[rows], tensor)
+            # Qwen3's q_norm/k_norm [D] are broadcast over their head rows; every other
+            # tensor must have exactly its target's shape.
+            if src.shape != dst.shape and not param_name.endswith("qk_norm"):
+                raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)} does not fit {param_name}")
+            with torch.no_grad():
+                dst.copy_(src)
+            loaded.add((param_name, rows.start))
+        missing = [name for name, (param, rows) in targets.items() if (param, rows.start) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+
+    def _weight_targets(self) -> dict[str, tuple[str, slice]]:
+        """Checkpoint name -> (our parameter, the checkpoint rows' place in it)."""
+        tied = self.config.tie_word_embeddings
+        targets = {
+            "model.embed_tokens.weight": ("lm_head_t" if tied else "embed_tokens", slice(None)),
+            "model.norm.weight": ("norm", slice(None)),
+        }
+        if not tied:
+            targets["lm_head.weight"] = ("lm_head_t", slice(None))
+        for suffix, (attr, rows) in _layer_targets(self.config).items():
+            for i in range(self.config.num_layers):
+                targets[f"model.layers.{i}.{suffix}"] = (f"layers.{i}.{attr}", rows)
+        return targets
+
+
+def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """Checkpoint name (after `model.layers.N.`) -> (our parameter, the rows' place in it)."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    targets = {
+        "input_layernorm.weight": ("input_norm", slice(None)),
+        "post_attention_layernorm.weight": ("post_norm", slice(None)),
+        "self_attn.q_proj.weight": ("qkv_t", slice(0, q)),
+        "self_attn.k_proj.weight": ("qkv_t", slice(q, q + kv)),
+        "self_attn.v_proj.weight": ("qkv_t", slice(q + kv, q + 2 * kv)),
+        "self_attn.o_proj.weight": ("o_proj_t", slice(None)),
+        "mlp.gate_proj.weight": ("gate_up_t", slice(0, inter)),
+        "mlp.up_proj.weight": ("gate_up_t", slice(inter, 2 * inter)),
+        "mlp.down_proj.weight": ("down_t", slice(None)),
+    }
+    if cfg.attention_bias:
+        targets["self_attn.q_proj.bias"] = ("qkv_bias", slice(0, q))
+        targets["self_attn.k_proj.bias"] = ("qkv_bias", slice(q, q + kv))
+        targets["self_attn.v_proj.bias"] = ("qkv_bias", slice(q + kv, q + 2 * kv))
+    if cfg.o_proj_bias:
+        targets["self_attn.o_proj.bias"] = ("o_bias", slice(None))
+    if cfg.qk_norm:
+        # q_norm.weight [D] fills every q head's row; k_norm likewise (see DecoderLayer.qk_norm).
+        targets["self_attn.q_norm.weight"] = ("qk_norm", slice(0, cfg.num_heads))
+        targets["self_attn.k_norm.weight"] = (
+            "qk_norm",
+            slice(cfg.num_heads, cfg.num_heads + cfg.num_kv_heads),
+        )
+    return targets

@@ -1,0 +1,1 @@
+"""Per-model settings (MODEL.toml, or a preset shipped in presets/)."""

@@ -1,0 +1,79 @@
+"""POST /v1/completions: a prompt (text or token ids) -> one response or a stream; `echo`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request, Response
+
+from openai_frontend.api.logprobs import CompletionLogprobs
+from openai_frontend.api.protocol import CompletionRequest
+from openai_frontend.api.request_builder import build_request, validated
+from openai_frontend.api.responses import CompletionChoice, CompletionResponse, guard_fields, usage_of
+from openai_frontend.api.serving import Serving, json_response
+from openai_frontend.api.sse import CompletionChunkFormat
+from openai_frontend.generation.choices import collect_all
+from openai_frontend.generation.deltas import Delta
+from openai_frontend.operations.limits import ticket_of
+
+
+async def complete(serving: Serving, body: CompletionRequest, request: Request) -> Response:
+    serving.check_model(body.model)
+    info = await serving.model_info()
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    dump = serving.dump(response_id, "completions", body)
+    tokenization = serving.tokenization
+    prompt = tokenization.encode_prompt(body.prompt)
+    ticket = ticket_of(request)
+    stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
+    generation = validated(body, build_request(body, prompt, info, tenant=ticket.tenant, stream=stream), info)
+    streams = serving.generate(body, generation, "completions", ticket, dump)
+    if body.echo:
+        prompt_text = tokenization.prompt_text(body.prompt)
+        offsets = tokenization.text_offsets(prompt)
+        streams = [_echoed(stream, prompt_text, offsets) for stream in streams]
+    # one per choice: text offsets run on within a choice
+    formatters = [CompletionLogprobs(tokenization.token_text) for _ in streams]
+
+    def logprobs(index: int, delta: Delta) -> dict[str, Any] | None:
+        wanted = body.logprobs is not None and delta.logprobs is not None
+        return formatters[index].format(delta.logprobs, delta.text_offsets) if wanted else None
+
+    if body.stream:
+        fmt = CompletionChunkFormat(response_id, int(time.time()), serving.model_name, body.include_usage(), logprobs)
+        return await serving.stream(body, streams, fmt, request, dump)
+    wholes = await serving.until_done(body, collect_all(streams), request)
+    choices = [_choice(i, whole, logprobs(i, whole)) for i, whole in enumerate(wholes)]
+    finals = [whole.final for whole in wholes]
+    response = CompletionResponse(
+        id=response_id, created=int(time.time()), model=serving.model_name, choices=choices, usage=usage_of(finals)
+    )
+    return json_response(response, finals, dump)
+
+
+def _choice(index: int, whole: Delta, logprobs: dict[str, Any] | None) -> CompletionChoice:
+    final = whole.final
+    return CompletionChoice(
+        index=index, text=whole.text, logprobs=logprobs, finish_reason=final.finish_reason.value, **guard_fields(final)
+    )
+
+
+async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_offsets: list[int]) -> AsyncIterator[Delta]:
+    """Completions `echo`: the prompt's text (and its logprobs, when asked) come first;
+    the generated tokens' text offsets move past the prompt's text."""
+    first = True
+    async with aclosing(deltas):
+        async for delta in deltas:
+            if delta.text_offsets is not None:
+                delta.text_offsets = [offset + len(prompt_text) for offset in delta.text_offsets]
+            if first:
+                first = False
+                delta.text = prompt_text + delta.text
+                if delta.prompt_logprobs is not None:
+                    delta.logprobs = delta.prompt_logprobs + (delta.logprobs or [])
+                    delta.text_offsets = prompt_offsets[: len(delta.prompt_logprobs)] + (delta.text_offsets or [])
+            yield delta

@@ -1,0 +1,114 @@
+"""OpenAI response shapes (the order of the OpenAI API reference), and usage from final events."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from backend.contract import FinalEvent
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    # a reasoning model's thinking (vLLM's field name); left out for models that do not reason
+    reasoning_content: str | None = Field(None, exclude_if=lambda text: text is None)
+    # left out of the JSON when there are none, as OpenAI does
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list, exclude_if=lambda calls: not calls)
+
+
+def _guard() -> Any:
+    """An extension field naming the guard that ended a choice; left out when none did."""
+    return Field(None, exclude_if=lambda guard: not guard)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str
+    finish_guard: str | None = _guard()  # eos, max_tokens, stop_string, content_loop, deadline, ...
+    thinking_guard: str | None = _guard()  # thinking_budget, thinking_loop
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    finish_guard: str | None = _guard()
+    thinking_guard: str | None = _guard()
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llm-serving"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def usage_of(finals: list[FinalEvent]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counts once, completions add up.
+
+    cached_tokens is choice 0's: the prompt is reported once, and the other choices'
+    hits are mostly on blocks this same request computed moments before.
+    """
+    first = finals[0]
+    completion = sum(f.num_output_tokens for f in finals)
+    return Usage(
+        prompt_tokens=first.num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(f.num_reasoning_tokens for f in finals)),
+    )
+
+
+def guard_fields(final: FinalEvent) -> dict[str, str]:
+    """The guards that ended a choice, as its extension fields (on a stream's finish
+    chunk, or on a whole response's choice, whose headers also carry them)."""
+    fields = {"finish_guard": final.finish_guard.value}
+    if final.thinking_guard is not None:
+        fields["thinking_guard"] = final.thinking_guard.value
+    return fields

@@ -1,0 +1,121 @@
+"""The gate in front of /v1/: API keys, body size, admission and the tenants' slots, as ASGI middleware."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openai_frontend.api.errors import INVALID_REQUEST, OpenAIError, error_response
+from openai_frontend.operations.auth import KeyRing
+from openai_frontend.operations.limits import Limits, Ticket
+
+
+class Gate:
+    """ASGI middleware in front of /v1/: the API key (401); then, for generation requests
+    (POST), the declared body size (413), the tenant's and the server's slots (429, 503,
+    or a wait in the queue) and the body itself, read within its bound (413).
+
+    It is ASGI, not a FastAPI dependency, so that a refusal comes before the body is
+    parsed or even read, and so that the slots are freed when the app returns: when the
+    response, a stream included, has been sent or the client has left. The request's
+    Ticket rides in scope["state"] for the serving code; every response of an admitted
+    request carries the tenant's x-ratelimit-* headers.
+    """
+
+    def __init__(self, app: ASGIApp, keys: KeyRing, limits: Limits, on_error: Callable[[int], None]):
+        self.app = app
+        self.keys = keys
+        self.limits = limits
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        generation = scope["method"] == "POST"
+        try:
+            tenant = self.keys.tenant(_header(scope, b"authorization"))
+            if generation:
+                _check_content_length(scope, self.limits.settings.max_request_bytes)
+                ticket = await self.limits.admit(tenant)
+        except OpenAIError as error:
+            await self._refuse(error, scope, receive, send)
+            return
+        if generation:
+            await self._admitted(ticket, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _admitted(self, ticket: Ticket, scope: Scope, receive: Receive, send: Send) -> None:
+        status = 0  # the response's, once it begins; 0: none began
+
+        async def send_with_limits(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = _with_headers(message, self.limits.tenants.headers(ticket.tenant))
+            await send(message)
+
+        try:
+            try:
+                replay = await _bounded_body(receive, self.limits.settings.max_request_bytes)
+            except OpenAIError as error:
+                await self._refuse(error, scope, receive, send)
+                return
+            scope.setdefault("state", {})["ticket"] = ticket
+            await self.app(scope, replay, send_with_limits)
+        finally:
+            self.limits.release(ticket, status)
+
+    async def _refuse(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_error(error.status)
+        await error_response(error)(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(limit: int) -> OpenAIError:
+    message = f"The request body is larger than {limit} bytes (the server's MAX_REQUEST_BYTES)."
+    return OpenAIError(413, message, None, INVALID_REQUEST, "request_too_large")
+
+
+def _check_content_length(scope: Scope, limit: int) -> None:
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+
+
+async def _bounded_body(receive: Receive, limit: int) -> Receive:
+    """The body read in full, up to `limit` bytes (a 413 past it, whatever Content-Length
+    said), and a receive that replays it; later messages (a disconnect) come through."""
+    buffered: deque[Message] = deque()
+    size = 0
+    while True:
+        message = await receive()
+        buffered.append(message)
+        if message["type"] != "http.request":
+            break
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            break
+
+    async def replay() -> Message:
+        return buffered.popleft() if buffered else await receive()
+
+    return replay
+
+
+def _with_headers(message: Message, headers: dict[str, str]) -> Message:
+    """The response start with `headers` added, except those the response already set."""
+    present = {key.lower() for key, _ in message.get("headers", [])}
+    extra = [(k.encode(), v.encode()) for k, v in headers.items() if k.encode() not in present]
+    return {**message, "headers": [*message.get("headers", []), *extra]}

@@ -1,0 +1,211 @@
+"""An OpenAI body -> the contract's GenerationRequest: shapes (pydantic), values (validated),
+the fields it sets and the tensors that go out (backend.contract.encode_request)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend import contract
+from openai_frontend.api.chat_protocol import ChatCompletionRequest
+from openai_frontend.api.errors import OpenAIError
+from openai_frontend.api.protocol import CompletionRequest
+from openai_frontend.api.request_builder import build_request, for_choice, validated
+from tests.helpers.fake_engine import DEFAULT_INFO as INFO
+
+USER_X = [{"role": "user", "content": "x"}]
+
+
+def _build(body, prompt=(1,), stream=False, **kwargs):
+    return build_request(body, list(prompt), INFO, tenant=kwargs.pop("tenant", ""), stream=stream, **kwargs)
+
+
+def test_chat_request_maps_to_the_generation_request():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=7,
+        max_tokens=99,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        top_k=5,
+        min_tokens=2,
+        stop_token_ids=[4],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        num_beams=2,  # an unbuilt contract field, set by its contract name for the contract to refuse
+        lookup_tenant="other",  # never settable by a client
+        unknown_field=1,
+    )
+    request = _build(body, [1, 2, 3], stream=True)
+    sampling = request.sampling
+    assert request.prompt_tokens == [1, 2, 3] and request.stream is True and request.lookup_tenant == ""
+    assert (sampling.max_tokens, sampling.min_tokens, sampling.temperature, sampling.top_p) == (7, 2, 0.5, 0.9)
+    assert (sampling.seed, sampling.top_k, sampling.stop_token_ids, sampling.ignore_eos) == (3, 5, (4,), True)
+    assert sampling.presence_penalty == 0.5 and request.num_beams == 2
+    arrays = contract.encode_request(request)
+    assert set(arrays) == {
+        "prompt_tokens",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "presence_penalty",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "num_beams",
+        "stream",
+    }
+    assert arrays["max_tokens"].tolist() == [7]
+    assert arrays["seed"].dtype.name == "int64"
+    assert body.param_of("max_tokens") == "max_completion_tokens"
+    # the tenant is the API key's, whatever the body says
+    assert _build(body, tenant="alice").lookup_tenant == "alice"
+    # the unbuilt feature is refused before anything is sent, naming its field
+    with pytest.raises(OpenAIError) as refused:
+        validated(body, request, INFO)
+    assert refused.value.status == 400 and refused.value.param == "num_beams"
+
+
+def test_defaults_send_only_the_prompt_and_the_stream_flag_when_streaming():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_k=-1)
+    request = _build(body)
+    assert request.sampling.top_k == 0  # vLLM's -1: off
+    assert set(contract.encode_request(request)) == {"prompt_tokens"}  # stream=False is the default
+    assert set(contract.encode_request(_build(body, stream=True))) == {"prompt_tokens", "stream"}
+
+
+def test_chat_features_map_to_their_fields_and_back():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        response_format={"type": "json_object"},
+        logit_bias={"5": 1.0},
+    )
+    request = _build(body)
+    assert (request.grammar_kind, request.grammar_spec) == ("json_object", "")
+    assert request.sampling.logit_bias_ids == (5,) and request.sampling.logit_bias_values == (1.0,)
+    assert body.param_of("grammar_kind") == "response_format"
+    assert body.param_of("tools_present") == "tools"
+    # with tools (and a tool_choice other than none) the grammar is the tools'
+    with_tools = body.model_copy(update={"tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert with_tools.param_of("grammar_spec") == "tools"
+    assert body.param_of("prompt_tokens") == "messages"
+    assert body.messages[0].template_dict() == {"role": "user", "content": "a\nb"}
+
+
+def test_presets_apply_only_to_fields_the_body_leaves_unset():
+    presets = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 50}
+    body = ChatCompletionRequest(messages=USER_X, temperature=0.7, top_k=-1)
+    sampling = _build(body, presets=presets).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens) == (0.7, 0.9, 0, 50)
+    # max_completion_tokens sets max_tokens; a temperature of 0 is set, not absent
+    body = ChatCompletionRequest(messages=USER_X, temperature=0, max_completion_tokens=5)
+    sampling = _build(body, presets=presets).sampling
+    assert (sampling.temperature, sampling.max_tokens) == (0.0, 5)
+    assert _build(body).sampling.top_p == 1.0  # no presets: the contract's defaults
+
+
+def test_each_choice_gets_its_own_seed():
+    request = _build(ChatCompletionRequest(messages=USER_X, seed=7))
+    assert [for_choice(request, i).sampling.seed for i in range(3)] == [7, 8, 9]
+    assert request.sampling.seed == 7  # the request itself is left as it was
+    unseeded = _build(ChatCompletionRequest(messages=USER_X))
+    assert for_choice(unseeded, 2).sampling.seed is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"timeout": 0}, "timeout"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
+def test_chat_shape_errors_name_the_field(extra, param):
+    with pytest.raises(ValueError) as info:
+        ChatCompletionRequest(**{"messages": USER_X, **extra})
+    assert info.value.errors()[0]["loc"][0] == param
+
+
+def _refusal(body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as refused:
+        validated(body, _build(body), INFO)
+    return refused.value
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1.0}}, "logit_bias"),  # past the model's vocabulary
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"dry_multiplier": -1}, "dry_multiplier"),  # an extension, set by its contract name
+        ({"thinking_budget": -1}, "thinking_budget"),
+    ],
+)
+def test_chat_values_the_contract_refuses_are_400_naming_the_field(extra, param):
+    body = ChatCompletionRequest(**{"messages": USER_X, **extra})  # the shape is fine
+    error = _refusal(body)
+    assert error.status == 400 and error.param == param
+    assert error.message.startswith(f"{param}: "), error.message
+
+
+def test_a_contract_name_with_a_value_of_the_wrong_type_is_400_naming_it():
+    body = ChatCompletionRequest(messages=USER_X, dry_multiplier="lots")
+    with pytest.raises(OpenAIError) as refused:
+        _build(body)
+    assert refused.value.status == 400 and refused.value.param == "dry_multiplier"
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest(prompt="hi").prompt == "hi"
+    assert CompletionRequest(prompt=["hi"]).prompt == "hi"
+    assert CompletionRequest(prompt=[1, 2]).prompt == [1, 2]
+    assert CompletionRequest(prompt=[[1, 2]]).prompt == [1, 2]
+    for bad in (["a", "b"], "", [], {"suffix": "x"}):
+        kwargs = bad if isinstance(bad, dict) else {}
+        with pytest.raises(ValueError):
+            CompletionRequest(**{"prompt": "x" if kwargs else bad, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": 21, "echo": True}, "logprobs"),  # the prompt's logprobs are asked with logprobs too
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"prompt": [10**9]}, "prompt"),  # a token id outside the model's vocabulary
+    ],
+)
+def test_completion_values_the_contract_refuses_are_400_naming_the_field(extra, param):
+    body = CompletionRequest(**{"prompt": "x", **extra})
+    prompt = body.prompt if isinstance(body.prompt, list) else [1]
+    with pytest.raises(OpenAIError) as refused:
+        validated(body, _build(body, prompt), INFO)
+    assert refused.value.status == 400 and refused.value.param == param
+    assert refused.value.message.startswith(f"{param}: "), refused.value.message
+
+
+def test_completion_logprobs_and_echo_map_to_the_prompt_logprobs():
+    sampling = _build(CompletionRequest(prompt="x", logprobs=2)).sampling
+    assert (sampling.logprobs, sampling.top_logprobs, sampling.prompt_logprobs) == (True, 2, None)
+    sampling = _build(CompletionRequest(prompt="x", logprobs=0, echo=True)).sampling
+    assert (sampling.logprobs, sampling.top_logprobs, sampling.prompt_logprobs) == (True, 0, 0)
+    assert _build(CompletionRequest(prompt="x", echo=True)).sampling.prompt_logprobs is None
