@@ -113,7 +113,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
+        """Every request whose final output has not come out of a step yet."""
+        return self.scheduler.request_ids()
 
     # -- the step -----------------------------------------------------------
 

@@ -53,6 +53,10 @@ class Scheduler:
         """Sequences to work on, or finals still to report."""
         return bool(self.requests or self._ended)
 
+    def request_ids(self) -> list[str]:
+        """Every request whose final output has not come out of an update yet."""
+        return [*self.requests, *(seq.request_id for seq in self._ended)]
+
     def _end(self, seq: Sequence, reason: FinishReason, guard: FinishGuard) -> None:
         """Finish outside a step: the final output waits for the next update."""
         self._finish(seq, reason, guard)

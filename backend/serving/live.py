@@ -52,7 +52,9 @@ class _Live:
 
 
 class LiveRequests:
-    """Filled by the engine thread, drained by the sender thread, opened by Triton's."""
+    """One lock guards it all. Opened by Triton's threads (execute), filled by the engine
+    thread (push; fail, also from Triton's thread when a submit comes during shutdown),
+    drained by the sender thread, which with the drain's watcher thread also marks aborts."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
