@@ -17,6 +17,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens, the context length, or a guard that cut the output
     ABORT = "abort"  # cancelled by the client
     TOOL_CALLS = "tool_calls"  # (frontend) the turn ended with tool calls
+    FUNCTION_CALL = "function_call"  # (frontend) the same, for a request in the older `functions` form
 
 
 class FinishGuard(enum.Enum):

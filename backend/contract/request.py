@@ -47,7 +47,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0, top_p 1, min_p 0, top_n_sigma 0,
     repetition_penalty 1, presence/frequency_penalty 0, dry_multiplier 0, lz_penalty 0
-    and an empty logit bias are off. max_tokens None: up to the context length. A
+    and an empty logit bias are off. max_tokens None: up to the context length; 0: the
+    prompt is computed (its logprobs, when asked: scoring a prompt) and nothing generated. A
     seeded request draws from a generator seeded from (seed, token index), so its
     tokens do not depend on its batch. The logit bias is two parallel tuples (token ids,
     values); a repeated id adds up. Logprobs describe the raw distribution (before
@@ -108,12 +109,13 @@ class SamplingParams:
         yield ("prompt_logprobs", prompt_ok, f"must be in [0, {MAX_TOP_LOGPROBS}]")
 
     def _length_checks(self) -> Iterator[Check]:
-        yield ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1")
+        yield ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be at least 0")
         yield ("min_tokens", self.min_tokens >= 0, "must be at least 0")
         fits = self.max_tokens is None or self.min_tokens <= self.max_tokens
         yield ("min_tokens", fits, "must not exceed max_tokens")
 
     def _sampler_checks(self) -> Iterator[Check]:
+        yield ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be a 64-bit signed integer")
         yield ("temperature", self.temperature >= 0.0, "must be at least 0")
         yield ("top_k", self.top_k >= 0, "must be at least 0 (0 turns it off)")
         yield ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]")

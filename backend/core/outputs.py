@@ -1,8 +1,9 @@
 """A sequence's outputs: a step's token (and its logprob), and the final event.
 
-The first output of a request also carries its prompt logprobs (when asked) and
-whether its output starts inside a thinking block; a stopping token (EOS or a stop
-token) is counted but not emitted, and its logprob goes with it.
+The first output of a request also carries its prompt logprobs (when asked; they are
+whole once the prompt is) and whether its output starts inside a thinking block; a
+stopping token (EOS or a stop token) is counted but not emitted, and its logprob goes
+with it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ def token_output(seq: Sequence, emitted: list[int], logprob: Logprob | None) -> 
     out = RequestOutput(seq.request_id, emitted)
     if logprob is not None:
         out.logprobs = [logprob] if emitted else []
-    if seq.num_output_tokens == 1:  # the request's first output
+    if seq.num_output_tokens <= 1:  # the request's first output (max_tokens 0: its only one)
         out.starts_in_thinking = seq.guard_state.phase.starts_in_thinking
-        if seq.prompt_logprobs is not None:
-            out.prompt_logprobs = [Logprob(seq.token_ids[0], None, []), *seq.prompt_logprobs]
+    if seq.prompt_logprobs is not None:  # not sent yet
+        out.prompt_logprobs = [Logprob(seq.token_ids[0], None, []), *seq.prompt_logprobs]
     return out
 
 

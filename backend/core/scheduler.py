@@ -159,6 +159,8 @@ class Scheduler:
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
+        if seq.sampling.max_tokens == 0:  # the prompt is computed: nothing is generated
+            return self._prompt_only(seq, now)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.token_ids.append(token)
@@ -175,4 +177,13 @@ class Scheduler:
             seq.prompt_logprobs = None  # sent: a later recompute (preemption) may use the prefix cache
         if guard is not None:
             out.final = final_event(seq, now)
+        return out
+
+    def _prompt_only(self, seq: Sequence, now: float) -> RequestOutput:
+        """max_tokens 0: the step's token is dropped; the final carries the prompt's logprobs."""
+        self.block_manager.cache_full_blocks(seq)
+        self._finish(seq, FinishReason.LENGTH, FinishGuard.MAX_TOKENS)
+        out = token_output(seq, [], None)
+        seq.prompt_logprobs = None
+        out.final = final_event(seq, now)
         return out

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openai_frontend.api.errors import bad_request
+from openai_frontend.api.fields import CHAT, FieldRule
 from openai_frontend.api.protocol import GenerationBody
 
 
@@ -31,6 +32,12 @@ class ResponseFormat(BaseModel):
             raise ValueError("json_schema is required when type is json_schema")
         return self
 
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema an answer follows; None for "text"."""
+        if self.type == "text":
+            return None
+        return {"type": "object"} if self.type == "json_object" else self.json_schema.schema_
+
     def grammar(self) -> tuple[str, str] | None:
         """The output constraint as a grammar (kind, spec); None for "text"."""
         if self.type == "text":
@@ -46,9 +53,9 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, function_call, ...
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
 
     @field_validator("content", mode="before")
@@ -63,15 +70,22 @@ class ChatMessage(BaseModel):
         return content
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content as one string."""
+        """The message as the chat template sees it: content as one string; the older
+        function messages as tool messages, an assistant's function_call as its tool call."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        extra = dict(self.model_extra or {})
+        call = extra.pop("function_call", None)
+        if call and self.role == "assistant" and not extra.get("tool_calls"):
+            extra["tool_calls"] = [{"id": "call_0", "type": "function", "function": call}]
+        role = "tool" if self.role == "function" else self.role
+        return {**extra, "role": role, "content": content or ""}
 
 
 class ChatCompletionRequest(GenerationBody):
     PROMPT_PARAM: ClassVar[str] = "messages"
+    FIELDS: ClassVar[dict[str, FieldRule]] = CHAT
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
@@ -82,6 +96,10 @@ class ChatCompletionRequest(GenerationBody):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     top_logprobs: int | None = None
+
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    functions: list[dict[str, Any]] | None = None  # the older tools
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None  # the older tool_choice
 
     # --- extensions ---
     chat_template_kwargs: dict[str, Any] | None = None
@@ -94,11 +112,37 @@ class ChatCompletionRequest(GenerationBody):
         super().check_sizes(max_messages, max_string_chars)
 
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template receives besides the messages (and tools)."""
+        """What the chat template receives besides the messages (and tools); reasoning_effort
+        turns thinking on (any effort but none) or off, unless enable_thinking says."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.enable_thinking is not None:
             kwargs.setdefault("enable_thinking", self.enable_thinking)
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kwargs
+
+    def reasoning_effort_asked(self) -> str | None:
+        return self.reasoning_effort
+
+    @model_validator(mode="after")
+    def _functions_are_tools(self):
+        """The older `functions` / `function_call` are tools with at most one call."""
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("functions and function_call replace tools and tool_choice: send one pair")
+        self.tools = [{"type": "function", "function": function} for function in self.functions or []]
+        call = self.function_call
+        self.tool_choice = (
+            {"type": "function", "function": {"name": call.get("name")}} if isinstance(call, dict) else call
+        )
+        self.parallel_tool_calls = False
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The body used the older functions: the answer's call is a function_call."""
+        return self.functions is not None
 
     def grammar(self) -> tuple[str, str] | None:
         return self.response_format.grammar() if self.response_format is not None else None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -22,20 +20,19 @@ from openai_frontend.operations.limits import ticket_of
 
 
 async def complete(serving: Serving, body: CompletionRequest, request: Request) -> Response:
-    serving.check_model(body.model)
-    info = await serving.model_info()
-    response_id = f"cmpl-{uuid.uuid4().hex}"
-    dump = serving.dump(response_id, "completions", body)
+    reply = await serving.start(body, "completions", "cmpl")
+    info, dump = reply.info, reply.dump
     tokenization = serving.tokenization
-    prompt = tokenization.encode_prompt(body.prompt)
+    prompts = [tokenization.encode_prompt(prompt) for prompt in body.prompts()]
     ticket = ticket_of(request)
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
-    generation = validated(body, build_request(body, prompt, info, tenant=ticket.tenant, stream=stream), info)
-    streams = serving.generate(body, generation, "completions", ticket, dump)
+    requests = [
+        validated(body, build_request(body, prompt, info, tenant=ticket.tenant, stream=stream), info)
+        for prompt in prompts
+    ]
+    streams = serving.generate(body, requests, "completions", ticket, dump)
     if body.echo:
-        prompt_text = tokenization.prompt_text(body.prompt)
-        offsets = tokenization.text_offsets(prompt)
-        streams = [_echoed(stream, prompt_text, offsets) for stream in streams]
+        streams = _echoed(streams, body, tokenization, prompts)
     # one per choice: text offsets run on within a choice
     formatters = [CompletionLogprobs(tokenization.token_text) for _ in streams]
 
@@ -44,15 +41,24 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
         return formatters[index].format(delta.logprobs, delta.text_offsets) if wanted else None
 
     if body.stream:
-        fmt = CompletionChunkFormat(response_id, int(time.time()), serving.model_name, body.include_usage(), logprobs)
+        fmt = CompletionChunkFormat(reply.id, reply.created, serving.model_name, body.include_usage(), logprobs, body.n)
         return await serving.stream(body, streams, fmt, request, dump)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
     response = CompletionResponse(
-        id=response_id, created=int(time.time()), model=serving.model_name, choices=choices, usage=usage_of(finals)
+        id=reply.id, created=reply.created, model=serving.model_name, choices=choices, usage=usage_of(finals, body.n)
     )
     return json_response(response, finals, dump)
+
+
+def _echoed(
+    streams: list[AsyncIterator[Delta]], body: CompletionRequest, tokenization, prompts: list[list[int]]
+) -> list[AsyncIterator[Delta]]:
+    """Each choice's stream behind its own prompt's text (choices are prompt-major)."""
+    texts = [tokenization.prompt_text(prompt) for prompt in body.prompts()]
+    offsets = [tokenization.text_offsets(prompt) for prompt in prompts]
+    return [_echo(stream, texts[i // body.n], offsets[i // body.n]) for i, stream in enumerate(streams)]
 
 
 def _choice(index: int, whole: Delta, logprobs: dict[str, Any] | None) -> CompletionChoice:
@@ -62,7 +68,7 @@ def _choice(index: int, whole: Delta, logprobs: dict[str, Any] | None) -> Comple
     )
 
 
-async def _echoed(deltas: AsyncIterator[Delta], prompt_text: str, prompt_offsets: list[int]) -> AsyncIterator[Delta]:
+async def _echo(deltas: AsyncIterator[Delta], prompt_text: str, prompt_offsets: list[int]) -> AsyncIterator[Delta]:
     """Completions `echo`: the prompt's text (and its logprobs, when asked) come first;
     the generated tokens' text offsets move past the prompt's text."""
     first = True

@@ -25,7 +25,7 @@ def chat_logprobs(entries: list[Logprob], token_text: TokenText) -> dict[str, An
         item = _chat_item(token_text(entry.token_id), entry.logprob)
         item["top_logprobs"] = [_chat_item(token_text(t), lp) for t, lp in entry.top]
         content.append(item)
-    return {"content": content}
+    return {"content": content, "refusal": None}
 
 
 class CompletionLogprobs:

@@ -2,9 +2,9 @@
 (the chat body is in api/chat_protocol.py).
 
 Fields follow the order of the OpenAI API reference; a marked block of extensions
-(vLLM-style, sent by clients as extra body fields) follows. Unknown top-level fields
-are accepted and logged, as vLLM does. A field this server cannot honour is never
-dropped: the frontend rejects it with a 400 naming it. The values' ranges are the
+(vLLM-style, sent by clients as extra body fields) follows. Every field a body may carry
+is in the table of api/fields.py (`check_fields`): one this server cannot honour, or
+one in no table, is a 400 naming it, never dropped. The values' ranges are the
 contract's to check (`GenerationRequest.validate`, once, in api/request_builder.py);
 these models check shapes and what only the API has (`n`, `timeout`, message sizes).
 """
@@ -13,16 +13,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openai_frontend.api.errors import bad_request
+from openai_frontend.api.fields import COMPLETIONS, FieldRule, refusal
 
 MAX_CHOICES = 8  # `n`: each choice is its own model request (the prefix cache shares the prompt)
+MAX_PROMPT_CHOICES = 64  # completions: prompts x n, each a model request (the engine's default batch)
 MAX_TIMEOUT_S = 86_400.0 * 365  # `timeout`: a year; a bound keeps the engine's deadline finite (1e308 s overflowed)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # refused when true (api/fields.py)
 
 
 class RepetitionDetection(BaseModel):
@@ -42,6 +45,7 @@ class GenerationBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     PROMPT_PARAM: ClassVar[str] = "prompt"
+    FIELDS: ClassVar[dict[str, FieldRule]] = COMPLETIONS  # every field it may carry (api/fields.py)
 
     # OpenAI's fields both endpoints take (each body adds its own, and its own logprobs
     # and max_tokens)
@@ -73,6 +77,13 @@ class GenerationBody(BaseModel):
     # Any other field of the contract's request not derived by the frontend (num_beams,
     # dry_multiplier, thinking_budget, ...) may be sent by its contract name and is
     # forwarded as is (request_builder.FORWARDABLE).
+
+    @field_validator("n", "stream", "echo", "max_tokens", "ignore_eos", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """The spec allows null for these, meaning their default (n 1, stream false, echo
+        false, completions' max_tokens 16)."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("logit_bias")
     @classmethod
@@ -115,6 +126,17 @@ class GenerationBody(BaseModel):
 
     def forces_thinking(self) -> bool:
         return False
+
+    def reasoning_effort_asked(self) -> str | None:
+        """OpenAI's reasoning_effort (chat), when the body sets it."""
+        return None
+
+    def check_fields(self) -> None:
+        """A 400 naming the first field the table refuses (api/fields.py): nothing is ignored."""
+        refused = refusal(self.model_dump(exclude_unset=True, by_alias=True), self.FIELDS)
+        if refused is not None:
+            name, why = refused
+            raise bad_request(name, f"{name}: {why}")
 
     def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
         """A 400 naming the first string over `max_string_chars` characters (0: no bound),
@@ -187,30 +209,36 @@ def _long_string(value: Any, limit: int, path: str = "") -> str | None:
 
 
 class CompletionRequest(GenerationBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = Field(None, ge=1, le=1)
+    # a text, token ids, or a list of either: each prompt gets its own n choices, in order;
+    # null or "": the start of a document (the spec's "<|endoftext|>")
+    prompt: str | list[str] | list[int] | list[list[int]] | None
+    best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None  # OpenAI allows up to 5, we up to 20
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # the spec's default, for null too; 0: the prompt alone (scoring, with echo)
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("must not be empty")
+    def _prompts_are_not_empty_lists(cls, prompt):
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
+            raise ValueError("a list of prompts or of token ids must not be empty")
         return prompt
 
-    @field_validator("suffix")
-    @classmethod
-    def _unsupported(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported by this server yet")
-        return value
+    @model_validator(mode="after")
+    def _choices_fit(self):
+        if len(self.prompts()) * self.n > MAX_PROMPT_CHOICES:
+            raise ValueError(f"prompts times n must be at most {MAX_PROMPT_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: text or token ids each."""
+        prompt = self.prompt
+        if prompt is None or isinstance(prompt, str):
+            return [prompt or ""]
+        if isinstance(prompt[0], str | list):
+            return list(prompt)
+        return [prompt]
 
     def logprob_counts(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0

@@ -11,13 +11,11 @@ contract refuses is a 400 naming the body's field.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from backend.contract import (
-    INPUTS_BY_NAME,
     ContractError,
     GenerationRequest,
     GuardParams,
@@ -26,14 +24,11 @@ from backend.contract import (
     apply_inputs,
 )
 from openai_frontend.api.errors import OpenAIError, bad_request
+from openai_frontend.api.fields import forwardable
 from openai_frontend.api.protocol import GenerationBody
 
-log = logging.getLogger(__name__)
-
-# Fields of the contract's request a client may not set by name: the frontend derives them.
-_DERIVED = frozenset({"prompt_tokens", "stream", "lookup_tenant", "model_info"})
-# OpenAI fields that carry no meaning for generation here; ignored without a warning.
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+# reasoning_effort -> the thinking budget (None: the model's own); "none" turns thinking off
+_EFFORT_BUDGETS = {"minimal": 64, "low": 512, "medium": 2048, "high": None, "xhigh": None, "max": None}
 
 
 def build_request(
@@ -49,7 +44,7 @@ def build_request(
     `validated`). `presets`: sampling defaults for the fields the body does not set."""
     defaults = SamplingParams(**{k: v for k, v in (presets or {}).items() if not body.sets(k)})
     request = GenerationRequest(
-        list(prompt), _sampling(body, defaults), _guards(body), lookup_tenant=tenant, stream=stream
+        list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream
     )
     grammar = body.grammar()
     if grammar is not None:
@@ -72,11 +67,13 @@ def validated(body: GenerationBody, request: GenerationRequest, info: ModelInfo)
 
 
 def for_choice(request: GenerationRequest, index: int) -> GenerationRequest:
-    """Choice `index`'s request: with a seed, seed + index (distinct yet reproducible)."""
+    """Choice `index`'s request: with a seed, seed + index (distinct yet reproducible),
+    wrapping around within the 64-bit range the spec gives a seed."""
     seed = request.sampling.seed
-    if seed is None:
+    if seed is None or index == 0:
         return request
-    return replace(request, sampling=replace(request.sampling, seed=seed + index))
+    wrapped = (seed + index + 2**63) % 2**64 - 2**63
+    return replace(request, sampling=replace(request.sampling, seed=wrapped))
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -90,9 +87,10 @@ def _sampling(body: GenerationBody, defaults: SamplingParams) -> SamplingParams:
         defaults,
         max_tokens=_pick(body.max_new_tokens(), defaults.max_tokens),
         min_tokens=_pick(body.min_tokens, defaults.min_tokens),
-        temperature=_pick(body.temperature, defaults.temperature),
+        # top_p 0 keeps the most likely token alone: a greedy draw
+        temperature=0.0 if body.top_p == 0 else _pick(body.temperature, defaults.temperature),
         top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),  # vLLM's -1: off
-        top_p=_pick(body.top_p, defaults.top_p),
+        top_p=defaults.top_p if body.top_p is None else body.top_p or 1.0,
         min_p=_pick(body.min_p, defaults.min_p),
         repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty),
         presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
@@ -109,10 +107,11 @@ def _sampling(body: GenerationBody, defaults: SamplingParams) -> SamplingParams:
     )
 
 
-def _guards(body: GenerationBody) -> GuardParams:
+def _guards(body: GenerationBody, info: ModelInfo) -> GuardParams:
     loops = body.repetition_detection
     return GuardParams(
         enable_thinking=body.forces_thinking(),
+        thinking_budget=_effort_budget(body, info),
         loop_min_pattern_size=loops.min_pattern_size if loops else None,
         loop_max_pattern_size=loops.max_pattern_size if loops else None,
         loop_min_count=loops.min_count if loops else None,
@@ -120,15 +119,20 @@ def _guards(body: GenerationBody) -> GuardParams:
     )
 
 
+def _effort_budget(body: GenerationBody, info: ModelInfo) -> int | None:
+    """reasoning_effort's thinking budget (its on / off is the chat template's
+    enable_thinking); a 400 when it asks a model that does not reason to reason."""
+    effort = body.reasoning_effort_asked()
+    if effort in (None, "none"):
+        return None
+    if not info.think_start:
+        raise bad_request("reasoning_effort", f"reasoning_effort: this model does not reason; {effort!r} cannot apply")
+    return _EFFORT_BUDGETS[effort]
+
+
 def _forwarded(body: GenerationBody) -> dict[str, Any]:
-    """Extension fields sent by a contract name; other unknown fields are logged."""
-    forwarded = {}
-    for name, value in (body.model_extra or {}).items():
-        if name in INPUTS_BY_NAME and name not in _DERIVED:
-            forwarded[name] = value
-        elif name not in _HARMLESS:
-            log.warning("ignoring unknown request field %r", name)
-    return forwarded
+    """Extension fields sent by a contract name (the field table refused any other unknown one)."""
+    return {name: value for name, value in (body.model_extra or {}).items() if forwardable(name)}
 
 
 def _refusal(body: GenerationBody, error: ContractError) -> OpenAIError:

@@ -28,10 +28,13 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: str | None = None  # the spec requires it; this server never refuses in words
     # a reasoning model's thinking (vLLM's field name); left out for models that do not reason
     reasoning_content: str | None = Field(None, exclude_if=lambda text: text is None)
     # left out of the JSON when there are none, as OpenAI does
     tool_calls: list[dict[str, Any]] = Field(default_factory=list, exclude_if=lambda calls: not calls)
+    # the older form's call (a request with `functions`); left out otherwise
+    function_call: dict[str, Any] | None = Field(None, exclude_if=lambda call: call is None)
 
 
 def _guard() -> Any:
@@ -88,19 +91,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def usage_of(finals: list[FinalEvent]) -> Usage:
-    """The usage of n choices of one prompt: the prompt counts once, completions add up.
+def usage_of(finals: list[FinalEvent], choices_per_prompt: int = 1) -> Usage:
+    """The usage of a request's choices, `choices_per_prompt` (n) per prompt, prompt-major:
+    each prompt counts once, completions add up.
 
-    cached_tokens is choice 0's: the prompt is reported once, and the other choices'
-    hits are mostly on blocks this same request computed moments before.
+    cached_tokens is each prompt's first choice's: a prompt is reported once, and the
+    other choices' hits are mostly on blocks this same request computed moments before.
     """
-    first = finals[0]
+    heads = finals[::choices_per_prompt]
+    prompt = sum(f.num_prompt_tokens for f in heads)
     completion = sum(f.num_output_tokens for f in finals)
     return Usage(
-        prompt_tokens=first.num_prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=first.num_prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(f.num_cached_tokens for f in heads)),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(f.num_reasoning_tokens for f in finals)),
     )
 

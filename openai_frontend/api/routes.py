@@ -10,7 +10,7 @@ from openai_frontend.api.chat_protocol import ChatCompletionRequest
 from openai_frontend.api.completions import complete
 from openai_frontend.api.errors import error_response, service_unavailable
 from openai_frontend.api.protocol import CompletionRequest, GenerationBody
-from openai_frontend.api.responses import ModelList
+from openai_frontend.api.responses import ModelCard, ModelList
 from openai_frontend.api.serving import Serving
 from openai_frontend.operations.limits import LimitSettings
 
@@ -28,20 +28,30 @@ async def list_models(request: Request) -> ModelList:
     return _serving(request).models()
 
 
-def _check_sizes(body: GenerationBody, request: Request) -> None:
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    """The served model's card; any other id is a 404 model_not_found."""
+    serving = _serving(request)
+    serving.check_model(model_id)
+    return serving.models().data[0]
+
+
+def _check(body: GenerationBody, request: Request) -> None:
+    """Before any work: every field honoured or refused (api/fields.py), and the sizes."""
+    body.check_fields()
     settings: LimitSettings = request.app.state.limits.settings
     body.check_sizes(settings.max_messages, settings.max_string_chars)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _check_sizes(body, request)
+    _check(body, request)
     return await chat(_serving(request), body, request)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _check_sizes(body, request)
+    _check(body, request)
     return await complete(_serving(request), body, request)
 
 

@@ -7,8 +7,10 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,6 +43,17 @@ class ClientGone(Exception):
     pass
 
 
+@dataclass(slots=True)
+class Reply:
+    """What a response is given at its start: its id, its `created` (the request's
+    arrival, as OpenAI stamps it), the model's facts, its --dump record."""
+
+    id: str
+    created: int
+    info: ModelInfo
+    dump: RequestDump | None
+
+
 class Serving:
     """The tokenizer, the engine client, the running model's facts and the counters."""
 
@@ -71,29 +84,52 @@ class Serving:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
-    def dump(self, response_id: str, endpoint: str, body: GenerationBody) -> RequestDump | None:
-        if self.dump_dir is None:
-            return None
-        return RequestDump(self.dump_dir, response_id, endpoint, body.model_dump(mode="json", exclude_unset=True))
+    async def start(self, body: GenerationBody, endpoint: str, id_prefix: str) -> Reply:
+        """A request's response begins: its model checked, the model's facts at hand."""
+        created = int(time.time())
+        self.check_model(body.model)
+        info = await self.model_info()
+        reply_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        dump = None
+        if self.dump_dir is not None:
+            dump = RequestDump(self.dump_dir, reply_id, endpoint, body.model_dump(mode="json", exclude_unset=True))
+        return Reply(reply_id, created, info, dump)
 
     def generate(
-        self, body: GenerationBody, request: GenerationRequest, endpoint: str, ticket: Ticket, dump: RequestDump | None
+        self,
+        body: GenerationBody,
+        requests: list[GenerationRequest],
+        endpoint: str,
+        ticket: Ticket,
+        dump: RequestDump | None,
     ) -> list[AsyncIterator[Delta]]:
-        """One delta stream per choice: n model requests for the same prompt tokens (the
-        model's prefix cache shares the prompt's KV blocks between them). `ticket`: the
-        tenant it runs as and its token budget, charged here."""
-        prompt = request.prompt_tokens
+        """One delta stream per choice: n model requests per prompt, prompt-major (choice
+        index = prompt index * n + i; the model's prefix cache shares each prompt's KV
+        blocks between its n). `ticket`: the tenant it runs as and its token budget,
+        charged here for every prompt's choices together."""
         self.metrics.received(endpoint, ticket.tenant)
-        max_new_tokens = body.check_context(len(prompt), self.info.max_model_len)
-        ticket.reserve(len(prompt), request.sampling.max_tokens or max_new_tokens, body.n)
+        prompt_tokens = new_tokens = 0
+        for request in requests:
+            prompt = len(request.prompt_tokens)
+            room = body.check_context(prompt, self.info.max_model_len)
+            asked = request.sampling.max_tokens
+            prompt_tokens += prompt
+            new_tokens += body.n * (room if asked is None else asked)
+        ticket.reserve(prompt_tokens, new_tokens, len(requests) * body.n)
         streams = []
-        for index in range(body.n):
-            choice = for_choice(request, index)
-            if dump is not None:
-                dump.tensors(choice)
-            text = generate_text(self.engine, choice, self.tokenization.detokenizer(prompt), body.stop_strings())
-            streams.append(ticket.metered(self._observed(text, index, dump, ticket.tenant)))
+        for request in requests:
+            for index in range(body.n):
+                streams.append(self._choice(body, for_choice(request, index), len(streams), ticket, dump))
         return streams
+
+    def _choice(
+        self, body: GenerationBody, request: GenerationRequest, index: int, ticket: Ticket, dump: RequestDump | None
+    ) -> AsyncIterator[Delta]:
+        if dump is not None:
+            dump.tensors(request)
+        detokenizer = self.tokenization.detokenizer(request.prompt_tokens)
+        text = generate_text(self.engine, request, detokenizer, body.stop_strings())
+        return ticket.metered(self._observed(text, index, dump, ticket.tenant))
 
     async def stream(
         self,

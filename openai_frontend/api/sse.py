@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from backend.contract import FinalEvent
 from openai_frontend.api.errors import OpenAIError
-from openai_frontend.api.responses import Usage, guard_fields, usage_of
+from openai_frontend.api.responses import guard_fields, usage_of
 from openai_frontend.generation.deltas import Delta
 from openai_frontend.generation.engine_client import EngineError
 
@@ -36,10 +36,13 @@ class ChunkFormat:
     """The frame every chunk of one response shares; subclasses shape the choice.
 
     `logprobs(index, delta)` shapes a delta's logprobs for choice `index` (None: not
-    asked for).
+    asked for); `choices_per_prompt`: n (completions may have several prompts, each with
+    its n choices). With include_usage, chat chunks carry `"usage": null` until the usage
+    chunk (the spec's words for chat); completions chunks leave it out.
     """
 
     object = ""
+    usage_on_every_chunk = True
 
     def __init__(
         self,
@@ -48,10 +51,12 @@ class ChunkFormat:
         model: str,
         include_usage: bool,
         logprobs: Callable[[int, Delta], dict[str, Any] | None] | None = None,
+        choices_per_prompt: int = 1,
     ):
         self._head = {"id": response_id, "object": self.object, "created": created, "model": model}
         self._include_usage = include_usage
         self._logprobs = logprobs
+        self._choices_per_prompt = choices_per_prompt
 
     def opening(self, n: int = 1) -> list[str]:
         return []
@@ -64,14 +69,16 @@ class ChunkFormat:
             choice.update(guard_fields(delta.final))
         return self._chunk([choice])
 
-    def usage(self, usage: Usage) -> str | None:
+    def usage(self, finals: list[FinalEvent]) -> str | None:
+        """The usage chunk of all the choices' final events (in choice order), if asked."""
         if not self._include_usage:
             return None
+        usage = usage_of(finals, self._choices_per_prompt)
         return _event({**self._head, "choices": [], "usage": usage.model_dump()})
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
         payload = {**self._head, "choices": choices}
-        if self._include_usage:
+        if self._include_usage and self.usage_on_every_chunk:
             payload["usage"] = None
         return _event(payload)
 
@@ -92,11 +99,14 @@ class ChatChunkFormat(ChunkFormat):
             message["reasoning_content"] = delta.reasoning
         if delta is not None and delta.tool_calls:
             message["tool_calls"] = delta.tool_calls
+        if delta is not None and delta.function_call:
+            message["function_call"] = delta.function_call
         return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
 
 
 class CompletionChunkFormat(ChunkFormat):
     object = "text_completion"
+    usage_on_every_chunk = False
 
     def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -120,11 +130,11 @@ async def sse_events(
                 if delta.final is not None:
                     finals[index] = delta.final
                     yield fmt.text(index, delta.text, delta.final.finish_reason.value, delta)
-                elif delta.text or delta.logprobs or delta.tool_calls or delta.reasoning:
+                elif delta.text or delta.logprobs or delta.tool_calls or delta.function_call or delta.reasoning:
                     yield fmt.text(index, delta.text, None, delta)
             if len(finals) < n:
                 raise EngineError("a choice ended without a final event")
-            usage = fmt.usage(usage_of([finals[i] for i in range(n)]))
+            usage = fmt.usage([finals[i] for i in range(n)])
             if usage is not None:
                 yield usage
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream

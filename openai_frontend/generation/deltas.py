@@ -36,6 +36,7 @@ class Delta:
     prompt_logprobs: list[Logprob] | None = None
     starts_in_thinking: bool | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool-call deltas (chat with tools)
+    function_call: dict[str, Any] | None = None  # the same, for the older `functions` form
     reasoning: str = ""  # thinking text (chat with a reasoning model), split from `text`
 
 

@@ -23,6 +23,7 @@ class Tokenization:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._decode = make_decode(self.tokenizer)
         self._token_texts: dict[int, str] = {}
+        self.document_start_id = _document_start(self.tokenizer)
 
     def encode_chat(
         self,
@@ -54,10 +55,11 @@ class Tokenization:
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt: token ids as given (the request's validation checks them
-        against the model's vocabulary), text with the tokenizer's BOS policy."""
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        return list(prompt)
+        against the model's vocabulary), text with the tokenizer's BOS policy; an empty
+        text is the start of a document (OpenAI's "<|endoftext|>", else the BOS or EOS token)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return self.tokenizer(prompt)["input_ids"] or [self.document_start_id]
 
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs (the decode of its id alone, special tokens kept)."""
@@ -82,3 +84,11 @@ class Tokenization:
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._decode, context=prompt_ids)
+
+
+def _document_start(tokenizer) -> int:
+    """The token a document starts after: "<|endoftext|>" where the vocabulary has it, else BOS, else EOS."""
+    separator = tokenizer.get_vocab().get("<|endoftext|>")
+    if separator is not None:
+        return separator
+    return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id

@@ -195,9 +195,10 @@ class Ticket:
     choices: int = 0
     completion_tokens: list[int] = field(default_factory=list)
 
-    def reserve(self, prompt_tokens: int, max_new_tokens: int, choices: int) -> None:
+    def reserve(self, prompt_tokens: int, new_tokens: int, choices: int) -> None:
+        """The request's prompts' tokens and the most its `choices` may generate in all."""
         if self.limits is not None:
-            self.reserved = self.limits.reserve(self.tenant, prompt_tokens + choices * max_new_tokens)
+            self.reserved = self.limits.reserve(self.tenant, prompt_tokens + new_tokens)
         self.prompt_tokens, self.choices = prompt_tokens, choices
 
     async def metered(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

@@ -23,7 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from backend.contract import FinishGuard, FinishReason, GenerationRequest
+from backend.contract import FinalEvent, FinishGuard, FinishReason, GenerationRequest
 from openai_frontend.api.errors import bad_request
 from openai_frontend.generation.deltas import Delta
 from openai_frontend.parsing.tools import ToolParser, tool_loop_detected, validate_tools
@@ -37,6 +37,8 @@ class ChatTools:
     tools: list[dict[str, Any]]
     tool_choice: str | dict[str, Any]
     parallel: bool
+    answer: dict[str, Any] | None = None  # the JSON schema a text answer follows (response_format)
+    legacy: bool = False  # the request used the older `functions`: its call is a `function_call`
 
     @classmethod
     def of(cls, parser: ToolParser, body) -> ChatTools | None:
@@ -51,7 +53,8 @@ class ChatTools:
         if not body.tools or body.tool_choice == "none":
             return None
         parallel = body.parallel_tool_calls is not False
-        return cls(parser, body.tools, body.tool_choice or "auto", parallel)
+        answer = body.response_format.answer_schema() if body.response_format is not None else None
+        return cls(parser, body.tools, body.tool_choice or "auto", parallel, answer, body.legacy_functions)
 
     # -- the prompt -------------------------------------------------------
 
@@ -77,8 +80,8 @@ class ChatTools:
     # -- the request ---------------------------------------------------------
 
     def constrain(self, request: GenerationRequest, messages: list[dict[str, Any]]) -> None:
-        """The tools' grammar (it replaces response_format's) and the engine's tool guards."""
-        kind_spec = self.parser.compile_tool_grammar(self.tools, self.tool_choice, self.parallel)
+        """The tools' grammar (response_format's answer schema inside it) and the engine's tool guards."""
+        kind_spec = self.parser.compile_tool_grammar(self.tools, self.tool_choice, self.parallel, self.answer)
         forced = self.tool_choice != "auto"
         guards = request.guards
         guards.tools_present, guards.require_tool_call = True, forced
@@ -88,25 +91,33 @@ class ChatTools:
 
     # -- the output -----------------------------------------------------------
 
+    def settle(self, final: FinalEvent, called: bool) -> None:
+        """The final event's finish reason, now that the calls are known."""
+        reason = finish_reason(final.finish_reason, called, final.finish_guard)
+        legacy_call = self.legacy and reason is FinishReason.TOOL_CALLS
+        final.finish_reason = FinishReason.FUNCTION_CALL if legacy_call else reason
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         content, calls = self.parser.parse(text, self.tools)
         return content, [call.to_openai() for call in calls]
 
     async def stream(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-        """The deltas with their text split into content and tool-call deltas; the
-        finish reason becomes "tool_calls" when the turn made any."""
+        """The deltas with their text split into content and tool-call deltas (or, for the
+        older `functions`, function_call deltas); the finish reason becomes "tool_calls"
+        ("function_call") when the turn made any."""
         parsed = self.parser.stream(self.tools)
         async with aclosing(deltas):
             async for delta in deltas:
                 pieces = parsed.feed(delta.text)
                 if delta.final is not None:
                     pieces += parsed.finish()
-                    final = delta.final
-                    final.finish_reason = finish_reason(
-                        final.finish_reason, bool(parsed.tool_calls), final.finish_guard
-                    )
+                    self.settle(delta.final, bool(parsed.tool_calls))
                 delta.text = "".join(p for p in pieces if isinstance(p, str))
-                delta.tool_calls = [p for p in pieces if isinstance(p, dict)] or None
+                calls = _one_entry_per_index([p for p in pieces if isinstance(p, dict)])
+                if self.legacy:  # one call at most: its function's pieces
+                    delta.function_call = calls[0]["function"] if calls else None
+                else:
+                    delta.tool_calls = calls or None
                 yield delta
 
 
@@ -122,6 +133,19 @@ def finish_reason(finish: FinishReason, called: bool, guard: FinishGuard) -> Fin
     if called and (finish is FinishReason.STOP or guard in _GUARD_CUTS):
         return FinishReason.TOOL_CALLS
     return finish
+
+
+def _one_entry_per_index(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chunk's tool-call deltas with each index once (OpenAI's shape): a later piece of
+    the same call joins the earlier entry's arguments (feed and finish may both add one)."""
+    merged: dict[int, dict[str, Any]] = {}
+    for call in calls:
+        entry = merged.get(call["index"])
+        if entry is None:
+            merged[call["index"]] = call
+        else:
+            entry["function"]["arguments"] += call["function"]["arguments"]
+    return list(merged.values())
 
 
 def _name_and_arguments(call: dict[str, Any]) -> tuple[str, str]:

@@ -175,7 +175,7 @@ def test_the_model_info_query_answers_the_engines_facts(triton_only):
         (GenerationRequest(PROMPT, num_beams=4), "num_beams"),
         (GenerationRequest([]), "prompt_tokens"),
         (GenerationRequest([10**6]), "prompt_tokens"),
-        (_request(PROMPT, max_tokens=0), "max_tokens"),
+        (_request(PROMPT, max_tokens=-1), "max_tokens"),
         (_request(PROMPT, top_p=1.5), "top_p"),
         ({"prompt_tokens": np.array(PROMPT, np.int32), "temperature": np.array([np.nan], np.float32)}, "temperature"),
         ({"model_info": np.array([True]), "prompt_tokens": np.array(PROMPT, np.int32)}, "model_info"),

@@ -11,6 +11,10 @@ decides how tags combine:
 - "required": calls from the first token, nothing else (`tags_with_separator`, at
   least one; exactly one unless parallel).
 - a named function: exactly one call of that function from the first token.
+
+With an answer format (response_format with tools, "auto"), the model either calls
+tools from its first token or answers in that format: an `or` of the calls and the
+answer's JSON schema.
 """
 
 from __future__ import annotations
@@ -42,14 +46,22 @@ class CallFormat:
 
 
 def structural_tag(
-    call_format: CallFormat, tools: Sequence[dict[str, Any]], forced_name: str | None, required: bool, parallel: bool
+    call_format: CallFormat,
+    tools: Sequence[dict[str, Any]],
+    forced_name: str | None,
+    required: bool,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The structural tag for `tools`; `forced_name` or `required` force calls from the start."""
+    """The structural tag for `tools`; `forced_name` or `required` force calls from the start;
+    `answer`: the JSON schema a text answer must follow instead of free text."""
     chosen = [tool for tool in tools if forced_name in (None, tool["function"]["name"])]
     tags = [_call_tag(call_format, tool) for tool in chosen]
     calls = _section(call_format, _calls(call_format, tags, one_or_more=forced_name is None and parallel))
     if forced_name is not None or required:
         return _top(calls)
+    if answer is not None:
+        return _top({"type": "or", "elements": [calls, {"type": "json_schema", "json_schema": answer}]})
     if call_format.section:  # the whole section is one tag, opened by the trigger
         return _top(_free_text_then([calls], call_format.trigger))
     first = _free_text_then(tags, call_format.trigger)

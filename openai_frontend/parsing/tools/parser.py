@@ -47,16 +47,21 @@ class ToolParser:
         return ToolCallStream(self.syntax, names)
 
     def compile_tool_grammar(
-        self, tools: Tools | None, tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool = True
+        self,
+        tools: Tools | None,
+        tool_choice: str | dict[str, Any] | None,
+        parallel_tool_calls: bool = True,
+        answer: dict[str, Any] | None = None,
     ) -> tuple[str, str] | None:
         """(grammar_kind, grammar_spec) constraining the output to `tool_choice`, or None
-        when nothing is constrained. `tool_choice` None means "auto". Assumes the
-        request passed `validate_tools`."""
+        when nothing is constrained. `tool_choice` None means "auto"; `answer`: the JSON
+        schema a text answer follows (response_format). Assumes the request passed
+        `validate_tools`."""
         if not tools or tool_choice == "none":
             return None
         forced = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
         required = tool_choice == "required"
-        spec = structural_tag_spec(self.call_format, tools, forced, required, parallel_tool_calls)
+        spec = structural_tag_spec(self.call_format, tools, forced, required, parallel_tool_calls, answer)
         return "structural_tag", spec
 
     def system_prompt(self, tools: Tools) -> str:

@@ -20,9 +20,18 @@ Rules, which `parse` shares:
 - A candidate that fails becomes content: its first character is content, and the
   text after it is read again as text (so a real call just after a false trigger
   still counts). A failure in the head sends nothing but content. A failure after
-  the call was announced (bad argument JSON, wrong tail, output cut off) cannot take
-  back what was sent: the call's index goes to `abandoned`, its text becomes content
-  like any failed candidate, and content still equals `parse()`'s.
+  the call was announced (bad argument JSON, wrong tail) cannot take back what was
+  sent: the call's index goes to `abandoned`, its text becomes content like any
+  failed candidate, and content still equals `parse()`'s.
+- A call the output's end cuts short (max_tokens in the middle of a head or of its
+  arguments) is dropped, never shown as content: the parser's syntax is not the
+  answer. One whose arguments are whole and only its tail is cut counts as made.
+  A dropped call that was announced goes to `abandoned` too. (A head opened by a
+  trigger that is the call's own `{`, as llama3_json's bare JSON, and cut before it
+  named a tool, stays content: it may as well be an answer in JSON.)
+- Each chunk has at most one delta per call index: a call's header and the first
+  pieces of its arguments travel as one entry (OpenAI's shape, which the SDKs'
+  stream helpers assemble by index).
 - Whitespace that only separates a well-formed call from the start, the end or
   another call is dropped (so "Let me look.\n<tool_call>...</tool_call>\n" has the
   content "Let me look."); whitespace between a call and content after it is kept,
@@ -66,6 +75,7 @@ class ToolCallStream:
         self._after_call = False  # no content since the last well-formed call
         self._head: Pattern = ()
         self._continuation = False  # the head follows a separator, not a trigger
+        self._marked = False  # a marker opened the candidate (not the call's own `{`)
         self._lead_whitespace = ""  # before the candidate's trigger; content if it fails
         self._raw = ""  # the candidate's text taken from `_pending` so far
         self._call: _OpenCall | None = None
@@ -114,6 +124,7 @@ class ToolCallStream:
             self._lead_whitespace = pending[len(before) : start]
             self._pending = pending[start:]
             self._begin_head(self._syntax.head_after(trigger), continuation=False)
+            self._marked = bool(self._syntax.triggers[trigger])
             return True
         if not at_end:  # whitespace before a possible trigger may belong to a call
             hold = len(pending[:hold].rstrip(JSON_WHITESPACE))
@@ -131,6 +142,9 @@ class ToolCallStream:
         head = match(self._head, self._pending, at_end)
         if head.outcome is Outcome.PARTIAL:
             return False
+        if at_end and self._marked and match(self._head, self._pending, False).outcome is Outcome.PARTIAL:
+            self._drop()  # the output ended inside the head
+            return True
         if head.outcome is Outcome.FAIL or not self._is_known(head.name):
             self._fail()
             return True
@@ -153,7 +167,7 @@ class ToolCallStream:
             self._emit_arguments(call.index, piece)
         if end is None:
             if at_end:
-                self._fail()
+                self._drop()  # the output ended inside the arguments
             return at_end
         if _is_json(call.arguments):
             self._state = _State.TAIL
@@ -167,9 +181,14 @@ class ToolCallStream:
         close = match(self._syntax.close, self._pending, at_end)
         if Outcome.PARTIAL in (close.outcome, more and more.outcome):
             return False
-        if more is not None and more.outcome is Outcome.MATCH:
+        if at_end and match(self._syntax.close, self._pending, False).outcome is Outcome.PARTIAL:
+            self._complete_call(len(self._pending))  # whole arguments; only the tail was cut
+            self._state = _State.TEXT
+            self._after_call = True
+        elif more is not None and more.outcome is Outcome.MATCH:
             self._complete_call(more.end)
             self._begin_head(self._syntax.call_head, continuation=True)
+            self._marked = True  # inside a section of calls
         elif close.outcome is Outcome.MATCH:
             self._complete_call(close.end)
             self._state = _State.TEXT
@@ -196,6 +215,13 @@ class ToolCallStream:
         if self._call is not None:
             self.abandoned.append(self._call.index)
         self._call, self._raw, self._lead_whitespace = None, "", ""
+        self._state = _State.TEXT
+
+    def _drop(self) -> None:
+        """The output ended inside a candidate: nothing of it is content."""
+        if self._call is not None:
+            self.abandoned.append(self._call.index)
+        self._pending, self._call, self._raw, self._lead_whitespace = "", None, "", ""
         self._state = _State.TEXT
 
     def _is_known(self, name: str | None) -> bool:
@@ -230,7 +256,7 @@ class ToolCallStream:
 
     def _emit_arguments(self, index: int, text: str) -> None:
         last = self._out[-1] if self._out else None
-        if isinstance(last, dict) and last["index"] == index and "id" not in last:
+        if isinstance(last, dict) and last["index"] == index:  # its header or an earlier piece
             last["function"]["arguments"] += text
         else:
             self._out.append(arguments_piece(index, text))

@@ -113,7 +113,7 @@ def test_abort_frees_blocks_and_ends_with_abort(engine, prompts):
         ([1, 10**6], SamplingParams(), "prompt_tokens"),
         ([1] * 9000, SamplingParams(), "prompt_tokens"),
         ([1, 2], SamplingParams(top_p=0.0), "top_p"),
-        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(max_tokens=-1), "max_tokens"),
         ([1, 2], SamplingParams(presence_penalty=3.0), "presence_penalty"),
         ([1, 2], SamplingParams(logit_bias_ids=(10**6,), logit_bias_values=(1.0,)), "logit_bias_ids"),
     ],
@@ -247,3 +247,19 @@ def test_tool_guards_require_and_suppress_the_call_trigger(engine, tokenizer):
     assert opens_call(tokens["free"])  # the biased prompt does write the trigger...
     assert not opens_call(tokens["suppressed"])  # ...unless suppressed
     assert engine.eos_token_ids[0] not in tokens["required"]
+
+
+def test_max_tokens_0_computes_the_prompt_and_generates_nothing(engine, prompts):
+    """Scoring a prompt (completions echo with max_tokens 0): its logprobs, no token."""
+    request = GenerationRequest(prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    request.validate(engine.vocab_size, engine.max_model_len)
+    outputs = []
+    engine.add_request("score", request)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = outputs
+    assert out.token_ids == [] and out.final.num_output_tokens == 0
+    assert out.final.finish_guard is FinishGuard.MAX_TOKENS and out.final.time_to_first_token_s is None
+    assert [lp.token_id for lp in out.prompt_logprobs] == prompts[1]
+    assert out.prompt_logprobs[0].logprob is None and all(len(lp.top) == 1 for lp in out.prompt_logprobs[1:])
+    assert engine.num_free_blocks() == engine.num_total_blocks()  # its blocks went back to the pool

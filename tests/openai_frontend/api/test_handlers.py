@@ -56,7 +56,8 @@ def test_chat_non_streaming(app, tokenization):
     response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
     assert response.status_code == 200, response.text
     data = response.json()
-    assert data["choices"][0]["message"] == {"role": "assistant", "content": "Paris is 🎉 nice."}
+    # `refusal` is required by OpenAI's spec: always there, null
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "Paris is 🎉 nice.", "refusal": None}
     assert data["choices"][0]["finish_reason"] == "stop"
     assert data["usage"]["completion_tokens"] == len(engine.token_ids)
     assert engine.requests[0].stream is False and engine.requests[0].sampling.temperature == 0
@@ -359,7 +360,6 @@ def test_a_repeated_tool_call_is_suppressed(app, tokenization):
         ({"tools": [{"type": "function", "function": {}}]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
@@ -383,6 +383,22 @@ def test_response_format_travels_as_a_grammar(app, tokenization):
     assert request.grammar_kind == "json_schema" and json.loads(request.grammar_spec) == schema
     asyncio.run(_post(app, engine, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}}))
     assert engine.requests[1].grammar_kind == "json_object"
+
+
+def test_response_format_with_tools_lets_the_model_call_or_answer_in_the_format(app, tokenization):
+    """pydantic-ai sends both whenever an agent has a tool and a structured output."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    engine = FakeEngine(_answer_ids(tokenization, '{"a": 1}'), reason=STOP)
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "response_format": fmt}
+    response = asyncio.run(_post(app, engine, "/v1/chat/completions", body))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+    request = engine.requests[0]
+    assert request.grammar_kind == "structural_tag" and request.guards.tools_present
+    calls_or_answer = json.loads(request.grammar_spec)["format"]
+    assert calls_or_answer["type"] == "or"
+    assert {"type": "json_schema", "json_schema": schema} in calls_or_answer["elements"]
 
 
 def test_a_grammar_the_model_refuses_is_400_naming_response_format(app):

@@ -143,10 +143,12 @@ def _refusal(body) -> OpenAIError:
     ("extra", "param"),
     [
         ({"temperature": -1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"seed": 2**63}, "seed"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"min_p": 1.5}, "min_p"),
@@ -174,14 +176,46 @@ def test_a_contract_name_with_a_value_of_the_wrong_type_is_400_naming_it():
 
 
 def test_completion_prompt_forms():
-    assert CompletionRequest(prompt="hi").prompt == "hi"
-    assert CompletionRequest(prompt=["hi"]).prompt == "hi"
-    assert CompletionRequest(prompt=[1, 2]).prompt == [1, 2]
-    assert CompletionRequest(prompt=[[1, 2]]).prompt == [1, 2]
-    for bad in (["a", "b"], "", [], {"suffix": "x"}):
-        kwargs = bad if isinstance(bad, dict) else {}
+    assert CompletionRequest(prompt="hi").prompts() == ["hi"]
+    assert CompletionRequest(prompt=["hi"]).prompts() == ["hi"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]  # several prompts (LangChain's generate)
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert CompletionRequest(prompt="").prompts() == [""]  # spec-valid: the start of a document
+    assert CompletionRequest(prompt=None).prompts() == [""]
+    for bad in ([], [[1], []], {"prompt": ["p"] * 9, "n": 8}):
+        kwargs = bad if isinstance(bad, dict) else {"prompt": bad}
         with pytest.raises(ValueError):
-            CompletionRequest(**{"prompt": "x" if kwargs else bad, **kwargs})
+            CompletionRequest(**{"prompt": "x", **kwargs})
+
+
+def test_spec_nulls_mean_the_defaults():
+    body = CompletionRequest(prompt="x", n=None, stream=None, echo=None, max_tokens=None)
+    assert (body.n, body.stream, body.echo, body.max_tokens) == (1, False, False, 16)  # the spec's max_tokens default
+    chat = ChatCompletionRequest(messages=USER_X, n=None, stream=None)
+    assert (chat.n, chat.stream) == (1, False)
+
+
+def test_top_p_0_is_a_greedy_draw():
+    sampling = _build(ChatCompletionRequest(messages=USER_X, top_p=0, temperature=0.9)).sampling
+    assert (sampling.temperature, sampling.top_p) == (0.0, 1.0)
+
+
+def test_max_tokens_0_computes_the_prompt_alone():
+    sampling = validated(
+        CompletionRequest(prompt="x", max_tokens=0, echo=True, logprobs=1),
+        _build(CompletionRequest(prompt="x", max_tokens=0, echo=True, logprobs=1)),
+        INFO,
+    ).sampling
+    assert (sampling.max_tokens, sampling.prompt_logprobs) == (0, 1)
+
+
+def test_the_largest_seed_wraps_for_the_next_choices():
+    request = _build(ChatCompletionRequest(messages=USER_X, seed=2**63 - 1, n=3))
+    seeds = [for_choice(request, i).sampling.seed for i in range(3)]
+    assert seeds == [2**63 - 1, -(2**63), -(2**63) + 1]
+    for i in range(3):  # each encodes as the contract's int64 (seed + i once overflowed it)
+        assert contract.encode_request(for_choice(request, i))["seed"].tolist() == [seeds[i]]
 
 
 @pytest.mark.parametrize(
@@ -189,7 +223,7 @@ def test_completion_prompt_forms():
     [
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": 21, "echo": True}, "logprobs"),  # the prompt's logprobs are asked with logprobs too
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"prompt": [10**9]}, "prompt"),  # a token id outside the model's vocabulary
     ],

@@ -141,9 +141,14 @@ def test_health_and_metrics_stay_open(make_app, engine):
 
 def test_the_tenant_of_the_key_reaches_the_model_and_no_field_overrides_it(make_app, engine):
     app = make_app(engine, API_KEYS=KEYS)
-    body = {"messages": HI, "max_tokens": 5, "lookup_tenant": "bob", "user": "bob"}
-    assert _post(app, CHAT, body, ALICE).status_code == 200
-    assert _post(app, COMPLETIONS, {"prompt": "hi", "lookup_tenant": "alice"}, BOB).status_code == 200
+    assert _post(app, CHAT, {"messages": HI, "max_tokens": 5, "user": "bob"}, ALICE).status_code == 200
+    assert _post(app, COMPLETIONS, {"prompt": "hi"}, BOB).status_code == 200
+    for path, body, key in (
+        (CHAT, {"messages": HI, "lookup_tenant": "bob"}, ALICE),
+        (COMPLETIONS, {"prompt": "hi", "lookup_tenant": "alice"}, BOB),
+    ):
+        refused = _post(app, path, body, key)  # the contract's own name for it: refused, not used
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "lookup_tenant"
     assert [r.lookup_tenant for r in engine.requests] == ["alice", "bob"]
     assert [contract.encode_request(r)["lookup_tenant"].tolist() for r in engine.requests] == [[b"alice"], [b"bob"]]
 

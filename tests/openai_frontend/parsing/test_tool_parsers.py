@@ -116,9 +116,13 @@ CORPUS: dict[str, list[Case]] = {
         text_only('<tool_call>\n{"nam": "x"}\n</tool_call>'),
         text_only('<tool_call>{"arguments": {}, "name": "now"}</tool_call>'),  # the name must come first
         text_only(hermes("launch_rockets", "{}")),
-        text_only('Sure <tool_call>\n{"name": "get_wea'),
-        text_only('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
-        text_only('<tool_call>{"name": "now", "arguments": {}}'),
+        # A call the output's end cuts short is dropped, never shown as content (max_tokens);
+        # one whose arguments are whole counts, whatever of its tail was cut.
+        Case('Sure <tool_call>\n{"name": "get_wea', "Sure"),
+        Case('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None),
+        Case("Paris: " + hermes(*PARIS) + '\n<tool_call>\n{"na', "Paris:", (PARIS,)),  # a second call cut
+        Case('<tool_call>{"name": "now", "arguments": {}}', None, (("now", "{}"),)),
+        Case('<tool_call>{"name": "now", "arguments": {}}\n</tool_c', None, (("now", "{}"),)),
         text_only('<tool_call>{"name": "now", "arguments": {}} x</tool_call>'),
         Case("<tool_call> oops " + hermes("now", "{}") + " done", "<tool_call> oops done", (("now", "{}"),)),
         Case(hermes("now", "{}") + "\n" + hermes("nope", "{}"), "\n" + hermes("nope", "{}"), (("now", "{}"),)),
@@ -135,7 +139,9 @@ CORPUS: dict[str, list[Case]] = {
         Case(llama("search", LONG), None, (("search", LONG),)),
         text_only(llama("get_weather", '{"city": Paris}')),
         text_only(llama("launch_rockets", "{}")),
-        text_only('{"name": "get_weather", "parameters": {"city": "Par'),
+        Case('{"name": "get_weather", "parameters": {"city": "Par', None),  # announced, then cut: dropped
+        text_only('Here: {"name": "get_wea'),  # a bare `{` cut before it names a tool may be JSON content
+        Case('{"name": "now", "parameters": {}', None, (("now", "{}"),)),
         Case(llama("now", "{}") + "; oops", "oops", (("now", "{}"),)),
     ],
     "mistral": PLAIN
@@ -149,8 +155,8 @@ CORPUS: dict[str, list[Case]] = {
         text_only('[TOOL_CALLS]{"name": "now", "arguments": {}}'),
         text_only(mistral(("now", "{bad}"))),
         text_only(mistral(("x_unknown", "{}"))),
-        text_only('[TOOL_CALLS][{"name": "now", "argu'),
-        text_only(mistral(("now", "{}"), end="")),
+        Case('[TOOL_CALLS][{"name": "now", "argu', None),
+        Case(mistral(("now", "{}"), end=""), None, (("now", "{}"),)),
         Case(mistral(("now", "{}"), ("nope", "{}")), '{"name": "nope", "arguments": {}}]', (("now", "{}"),)),
     ],
 }
@@ -181,23 +187,26 @@ class Streamed:
 
 
 def run_stream(parser: ToolParser, pieces: list[str], tools=TOOLS) -> Streamed:
-    """Feed the pieces, check each delta's shape, and add the deltas up as a client does."""
+    """Feed the pieces, check each chunk's deltas' shape, and add them up as a client does."""
     stream = parser.stream(tools)
-    deltas = [delta for piece in pieces for delta in stream.feed(piece)] + stream.finish()
+    chunks = [stream.feed(piece) for piece in pieces] + [stream.finish()]
     content, calls = "", {}
-    for delta in deltas:
-        if isinstance(delta, str):
-            assert delta, "empty content delta"
-            content += delta
-        elif "id" in delta:
-            assert delta["index"] == len(calls), "call indices must count up from 0"
-            assert re.fullmatch(r"call_[0-9a-f]{24}", delta["id"])
-            assert delta["type"] == "function" and delta["function"]["arguments"] == ""
-            calls[delta["index"]] = [delta["id"], delta["function"]["name"], ""]
-        else:
-            assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
-            assert delta["function"]["arguments"], "empty arguments delta"
-            calls[delta["index"]][2] += delta["function"]["arguments"]
+    for chunk in chunks:
+        indices = [delta["index"] for delta in chunk if isinstance(delta, dict)]
+        assert len(indices) == len(set(indices)), f"one entry per call index per chunk: {chunk}"
+        for delta in chunk:
+            if isinstance(delta, str):
+                assert delta, "empty content delta"
+                content += delta
+            elif "id" in delta:
+                assert delta["index"] == len(calls), "call indices must count up from 0"
+                assert re.fullmatch(r"call_[0-9a-f]{24}", delta["id"])
+                assert delta["type"] == "function"
+                calls[delta["index"]] = [delta["id"], delta["function"]["name"], delta["function"]["arguments"]]
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+                assert delta["function"]["arguments"], "empty arguments delta"
+                calls[delta["index"]][2] += delta["function"]["arguments"]
     return Streamed(content or None, calls, stream.abandoned, [call.id for call in stream.tool_calls])
 
 
@@ -291,20 +300,31 @@ def test_fuzzed_outputs_stream_like_parse(parser_name):
 
 
 def test_malformed_head_sends_no_call_delta():
-    for text in [
-        '<tool_call>\n{"nam": "x"}\n</tool_call>',
-        hermes("launch_rockets", "{}"),
-        '<tool_call>{"name": "now"',
-    ]:
+    for text in ['<tool_call>\n{"nam": "x"}\n</tool_call>', hermes("launch_rockets", "{}")]:
         streamed = run_stream(HermesToolParser(HERMES_TAGS), list(text))
         assert streamed.calls == {} and streamed.content == text
 
 
-def test_call_cut_off_after_its_head_is_abandoned_and_becomes_content():
+def test_a_head_cut_by_the_end_sends_nothing():
+    streamed = run_stream(HermesToolParser(HERMES_TAGS), list('<tool_call>{"name": "now"'))
+    assert streamed.calls == {} and streamed.content is None
+
+
+def test_call_cut_off_after_its_head_is_abandoned_and_not_content():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     streamed = run_stream(HermesToolParser(HERMES_TAGS), [text[:30], text[30:]])
-    assert streamed.abandoned == [0] and streamed.content == text
+    assert streamed.abandoned == [0] and streamed.content is None
     assert streamed.calls[0][1:] == ["get_weather", '{"city": "Par']
+
+
+def test_a_call_header_and_its_first_arguments_are_one_entry():
+    """OpenAI sends one entry per index per chunk; the openai SDK's stream helper and
+    instructor's partial streaming break on two (the header, then a piece)."""
+    text = hermes(*PARIS)
+    (chunk,) = [HermesToolParser(HERMES_TAGS).stream(TOOLS).feed(text)]
+    calls = [delta for delta in chunk if isinstance(delta, dict)]
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": PARIS[1]}
 
 
 def test_long_argument_streams_before_the_call_ends():
@@ -314,7 +334,7 @@ def test_long_argument_streams_before_the_call_ends():
     stream = parser.stream(TOOLS)
     fragments = []
     for i in range(0, end, 50):
-        fragments += [d for d in stream.feed(text[i : min(i + 50, end)]) if isinstance(d, dict) and "id" not in d]
+        fragments += [d for d in stream.feed(text[i : min(i + 50, end)]) if isinstance(d, dict)]
     assert len(fragments) > 10
     assert "".join(d["function"]["arguments"] for d in fragments) == LONG[:-20]
     stream.feed(text[end:])
