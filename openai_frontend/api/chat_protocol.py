@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openai_frontend.api.errors import bad_request
-from openai_frontend.api.fields import CHAT, FieldRule
+from openai_frontend.api.fields import CHAT, CHAT_EXTENSIONS, FieldRule
 from openai_frontend.api.protocol import GenerationBody
 
 
@@ -85,7 +85,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationBody):
     PROMPT_PARAM: ClassVar[str] = "messages"
-    FIELDS: ClassVar[dict[str, FieldRule]] = CHAT
+    FIELDS: ClassVar[dict[str, FieldRule]] = {**CHAT, **CHAT_EXTENSIONS}
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None

@@ -126,8 +126,7 @@ EXTENSIONS: dict[str, FieldRule] = {
     "dry_sequence_breakers": _supported("DRY's sequence breakers"),
     "repetition_detection": _supported("the loop detectors' settings"),
     "timeout": _supported("a deadline in seconds: the answer ends with what it has"),
-    "chat_template_kwargs": _supported("passed to the chat template"),
-    "enable_thinking": _supported("the same as chat_template_kwargs.enable_thinking"),
+    "prompt_logprobs": _refused("use echo with logprobs (completions) for the prompt's logprobs"),
     "structured_outputs": _refused(_VLLM_STRUCTURED),
     **{
         name: _refused(_VLLM_STRUCTURED)
@@ -142,8 +141,15 @@ EXTENSIONS: dict[str, FieldRule] = {
     },
 }
 
-# Fields of the contract's request the frontend derives: a client may not set them by name.
-DERIVED = frozenset({"prompt_tokens", "stream", "lookup_tenant", "model_info"})
+# chat's own extensions
+CHAT_EXTENSIONS: dict[str, FieldRule] = {
+    "chat_template_kwargs": _supported("passed to the chat template"),
+    "enable_thinking": _supported("the same as chat_template_kwargs.enable_thinking"),
+}
+
+# Fields of the contract's request a client may not set by name: the frontend derives them
+# from the body (the logprob fields shape the response, which the body's own fields ask for).
+DERIVED = frozenset({"prompt_tokens", "stream", "lookup_tenant", "model_info", "logprobs", "top_logprobs"})
 
 
 def forwardable(name: str) -> bool:

@@ -11,15 +11,10 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers.tools import WEATHER
+
 pytestmark = pytest.mark.e2e
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Lisbon?"}]
 
 

@@ -16,18 +16,11 @@ import httpx
 import pytest
 
 from tests.helpers.openai_spec import validator
+from tests.helpers.tools import WEATHER
 
 pytestmark = pytest.mark.e2e
 
 USER = [{"role": "user", "content": "Name a fruit."}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -16,16 +16,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
+from tests.helpers.tools import WEATHER
+
 pytestmark = pytest.mark.e2e
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Lisbon?"}]
 
 

@@ -13,12 +13,9 @@ import pytest
 from backend.contract import FinishGuard, FinishReason, ModelInfo
 from openai_frontend.app import Settings, create_app
 from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.tools import WEATHER_FUNCTION as WEATHER
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-WEATHER = {
-    "name": "get_weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 

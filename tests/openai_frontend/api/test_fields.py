@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from backend.contract import FinishReason
-from openai_frontend.api.fields import CHAT, COMPLETIONS, EXTENSIONS, Treatment
+from openai_frontend.api.fields import CHAT, CHAT_EXTENSIONS, COMPLETIONS, EXTENSIONS, Treatment
 from openai_frontend.app import Settings, create_app
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.openai_spec import request_fields
@@ -23,8 +23,9 @@ FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties"
 def test_the_table_holds_every_spec_field_and_no_other():
     assert set(CHAT) == set(SPEC_CHAT), "api/fields.py CHAT and the spec's CreateChatCompletionRequest differ"
     assert set(COMPLETIONS) == set(SPEC_COMPLETIONS)
-    assert not set(EXTENSIONS) & (set(SPEC_CHAT) | set(SPEC_COMPLETIONS)), "an extension shadows a spec field"
-    for table in (CHAT, COMPLETIONS, EXTENSIONS):
+    extensions = set(EXTENSIONS) | set(CHAT_EXTENSIONS)
+    assert not extensions & (set(SPEC_CHAT) | set(SPEC_COMPLETIONS)), "an extension shadows a spec field"
+    for table in (CHAT, COMPLETIONS, EXTENSIONS, CHAT_EXTENSIONS):
         for name, rule in table.items():
             assert rule.note, f"{name}: the table says nothing about it"
 
@@ -164,6 +165,7 @@ def test_every_completions_field_has_its_effect_or_is_refused_naming_it(app):
         ({"messages": USER, "guided_regex": "[a-z]+"}, "guided_regex"),
         ({"messages": USER, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
         ({"messages": USER, "bogus": 1}, "bogus"),
+        ({"messages": USER, "prompt_logprobs": 2}, "prompt_logprobs"),  # computed, then shown nowhere: refused
         ({"messages": USER, "reasoning_effort": "high"}, "reasoning_effort"),  # the default model does not reason
         (
             {"messages": USER, "functions": [FUNCTION], "tools": [{"type": "function", "function": FUNCTION}]},
@@ -175,6 +177,19 @@ def test_what_is_not_honoured_is_a_400_naming_it(app, body, param):
     response, engine = _post(app, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param or param in response.json()["error"]["message"]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),  # chat's only
+        ({"prompt": "x", "top_logprobs": 3}, "top_logprobs"),  # completions ask with logprobs: N
+    ],
+)
+def test_completions_refuse_what_only_chat_would_honour(app, body, param):
+    response, engine = _post(app, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert engine.requests == []
 
 
