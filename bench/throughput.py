@@ -2,7 +2,9 @@
 
 Everything is measured in this one run, on the same converted weights, with the same
 prompts (chat-templated questions) and fixed-length greedy generations
-(ignore_eos), so the figures compare like with like:
+(ignore_eos), by plain decoding (`disable_mtp`: text repeated past EOS would flatter
+speculation; bench.speculative measures it, against this), so the figures compare
+like with like:
 
 - single stream: decode tokens/s after the first token (time to first token excluded);
 - N streams: aggregate tokens/s, all streams started together, wall clock from the
@@ -24,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench import grammar_cost, sampler_cost
+from bench import grammar_cost, sampler_cost, speculative
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -99,7 +101,7 @@ def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm up
     start = time.perf_counter()
     for i in range(streams):
-        engine.add_request(f"bench-{i}", GenerationRequest(prompts[i], params))
+        engine.add_request(f"bench-{i}", GenerationRequest(prompts[i], params, disable_mtp=True))
     first_token_at, produced = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -123,6 +125,7 @@ async def _http_stream(client: httpx.AsyncClient, url: str, model: str, prompt: 
         "max_tokens": tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        "disable_mtp": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -220,3 +223,5 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.json).write_text(json.dumps(asdict(fig), indent=2))
     sampler_cost.main()  # one more line: the sampler's share of a decode step
     grammar_cost.main()  # and one: the grammar's share at 32 constrained streams
+    print()
+    speculative.main(model_path)  # speculative decoding against plain decoding

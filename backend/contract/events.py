@@ -56,7 +56,10 @@ class FinalEvent:
     num_output_tokens: int  # generated, a stopping token included (OpenAI's completion tokens)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     num_reasoning_tokens: int = 0  # output tokens written while thinking, markers included
-    num_accepted_prediction_tokens: int = 0  # speculative tokens accepted (none yet)
+    # Predicted Outputs (OpenAI's usage): the prediction's tokens the output matched where
+    # aligned, and the rest; 0 without a prediction
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     thinking_guard: FinishGuard | None = None  # the guard that ended thinking, if one did
     time_to_first_token_s: float | None = None  # arrival -> first token; None: no token
     decode_time_s: float = 0.0  # first token -> last token

@@ -179,7 +179,8 @@ class GenerationRequest:
     grammar_spec: str = ""
     lookup_tenant: str = ""  # scopes the prefix cache (the API key's tenant)
     stream: bool = False  # False: the model sends one response at the end
-    disable_mtp: bool = False  # no draft yet, so disabling speculation is always honoured
+    disable_mtp: bool = False  # never draft for this request (every proposer)
+    prediction_tokens: tuple[int, ...] = ()  # OpenAI's Predicted Outputs: the expected output, tokenized
     # not built yet (UNBUILT): refused unless at the default
     session_hash: str = ""
     adapter_slot: int = 0
@@ -213,6 +214,15 @@ class GenerationRequest:
             "which must hold the prompt and at least one generated token"
         )
         yield ("prompt_tokens", fits, context)
+        bad = next((t for t in self.prediction_tokens if not 0 <= t < end), None)
+        yield ("prediction_tokens", bad is None, f"token id {bad} is outside {where}")
+        room = None if max_model_len is None else max_model_len - len(prompt)
+        yield (
+            "prediction_tokens",
+            room is None or len(self.prediction_tokens) <= room,
+            f"the prediction has {len(self.prediction_tokens)} tokens; this model's context leaves {room} "
+            "for the output",
+        )
         for name, feature in UNBUILT.items():
             default = _DEFAULTS[name]
             unset = getattr(self, name) == default

@@ -75,6 +75,7 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("grammar_kind", "bytes"),
     TensorSpec("grammar_spec", "bytes"),
     TensorSpec("disable_mtp", "bool"),
+    TensorSpec("prediction_tokens", "int32", LIST),
     # not built yet (request.UNBUILT): refused unless at the default
     TensorSpec("session_hash", "bytes"),
     TensorSpec("adapter_slot", "int32"),
@@ -145,6 +146,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_cached_tokens", "int32"),
     TensorSpec("num_reasoning_tokens", "int32"),
     TensorSpec("num_accepted_prediction_tokens", "int32"),
+    TensorSpec("num_rejected_prediction_tokens", "int32"),
     TensorSpec("time_to_first_token_s", "float64"),
     TensorSpec("decode_time_s", "float64"),
     TensorSpec("queue_time_s", "float64"),

@@ -19,6 +19,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    speculative: str = "auto"  # auto | off | ngram | draft | mtp (backend.speculation.speculator)
+    spec_tokens: int = 4  # drafts per sequence and step at most
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -37,6 +39,7 @@ class EngineConfig:
             ("MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens"),
             ("MAX_MODEL_LEN", "max_model_len"),
             ("NUM_THREADS", "num_threads"),
+            ("SPEC_TOKENS", "spec_tokens"),
         ):
             value = opt_int(name)
             if value is None:
@@ -45,6 +48,7 @@ class EngineConfig:
                 cfg.kv_cache_bytes = value << 20
             else:
                 setattr(cfg, attr, value)
+        cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
         if env.get("ENABLE_PREFIX_CACHING"):
             cfg.enable_prefix_caching = env["ENABLE_PREFIX_CACHING"] not in ("0", "false", "no")
         return cfg

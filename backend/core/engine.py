@@ -16,7 +16,6 @@ from backend.core.block_manager import BlockManager
 from backend.core.config import EngineConfig
 from backend.core.scheduler import Scheduler
 from backend.core.sequence import Sequence
-from backend.core.step import SchedulerOutput
 from backend.guards.policy import Guards
 from backend.guards.thinking import Markers
 from backend.guards.tools import ToolGuards
@@ -25,6 +24,7 @@ from backend.sampling.grammar import CompiledGrammar
 from backend.sampling.grammar_compiler import GrammarCompiler
 from backend.sampling.vocab import Vocabulary, load_tokenizer
 from backend.settings.model_settings import ModelSettings
+from backend.speculation.speculator import SpecStats, Speculator
 
 
 class LLMEngine:
@@ -47,7 +47,10 @@ class LLMEngine:
         markers = Markers.for_model(self.settings.reasoning, self.tokenizer)
         tools = ToolGuards.for_model(self.settings.tools.call_tags, self.tokenizer)
         self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
-        self.scheduler = Scheduler(self.block_manager, self.guards, config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.block_manager, self.guards, config.max_num_seqs, config.max_num_batched_tokens, self.speculator
+        )
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request
         self._grammars_lock = threading.Lock()
 
@@ -103,6 +106,7 @@ class LLMEngine:
         params = request.sampling
         if params.dry_multiplier and self.vocab is not None:
             seq.dry_breaker_ids = self.vocab.ids_containing(params.dry_sequence_breakers)
+        seq.spec = self.speculator.admit(request)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -120,17 +124,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        result = None if plan.is_empty else self.runner.execute(plan.scheduled, self._sampling_rows(plan))
-        return self.scheduler.update(plan, result)
-
-    def _sampling_rows(self, plan: SchedulerOutput):
-        return [self.guards.sampling_row(item.seq) for item in plan.completing]
+        if plan.is_empty:
+            return self.scheduler.update(plan, None)
+        start = time.perf_counter()
+        outputs = self.scheduler.update(plan, self.runner.execute(plan.scheduled))
+        self.speculator.observe(plan.num_tokens, time.perf_counter() - start)  # the cost model's evidence
+        return outputs
 
     # -- state, for the Triton model's gauges ----------------------------------
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counters since start (a copy)."""
+        return self.speculator.stats.copy()
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from backend.contract import FinalEvent, Logprob, RequestOutput
 from backend.core.sequence import Sequence
+from backend.speculation.speculator import prediction_counts
 
 
 def token_output(seq: Sequence, emitted: list[int], logprob: Logprob | None) -> RequestOutput:
@@ -26,6 +27,7 @@ def token_output(seq: Sequence, emitted: list[int], logprob: Logprob | None) -> 
 def final_event(seq: Sequence, now: float) -> FinalEvent:
     arrival, first = seq.arrival_time, seq.first_token_time
     phase = seq.guard_state.phase
+    accepted, rejected = prediction_counts(seq.spec)
     return FinalEvent(
         finish_reason=seq.finish_reason,
         finish_guard=seq.finish_guard,
@@ -33,6 +35,8 @@ def final_event(seq: Sequence, now: float) -> FinalEvent:
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens or 0,
         num_reasoning_tokens=phase.thinking_tokens,
+        num_accepted_prediction_tokens=accepted,
+        num_rejected_prediction_tokens=rejected,
         thinking_guard=phase.thinking_guard,
         time_to_first_token_s=(first - arrival) if first is not None else None,
         decode_time_s=(now - first) if first is not None else 0.0,

@@ -21,12 +21,21 @@ from backend.core.outputs import final_event, token_output
 from backend.core.sequence import Sequence, SequenceStatus
 from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
 from backend.guards.policy import Guards, finish_reason
+from backend.speculation.speculator import Speculator
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, guards: Guards, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        guards: Guards,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculator: Speculator | None = None,
+    ):
         self.block_manager = block_manager
         self.guards = guards
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
@@ -80,7 +89,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        if self.speculator is not None and not out.preempted:
+            self._add_drafts(out, budget)
         self.num_preemptions += len(out.preempted)
         for item in out.scheduled:  # a sequence's queue time ends with its first step
             if item.seq.first_scheduled_time is None:
@@ -108,7 +119,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -126,6 +137,24 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafts for the sequences that sample this step, from the budget the step left,
+        each where the block pool has room for them (a draft never preempts)."""
+        num_tokens, batch_size = out.num_tokens, len(out.scheduled)
+        for item in out.scheduled:
+            seq = item.seq
+            if budget <= 0:
+                return
+            if seq.spec is None or not item.completes:
+                continue
+            drafts = self.guards.valid_drafts(seq, self.speculator.propose(seq, budget, batch_size, num_tokens))
+            if drafts and self.block_manager.allocate_slots(seq, item.num_new_tokens + len(drafts)):
+                item.draft_tokens = drafts
+                item.num_new_tokens += len(drafts)
+                num_tokens += len(drafts)
+                budget -= len(drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -148,14 +177,44 @@ class Scheduler:
         for seq, start, computed in result.prompt_logprobs:
             del seq.prompt_logprobs[start:]  # a preempted prompt is recomputed from its start
             seq.prompt_logprobs.extend(computed)
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        logprobs = result.logprobs or [None] * len(result.tokens)
-        for item, token, logprob in zip(completing, result.tokens, logprobs, strict=True):
-            outputs.append(self._append(item.seq, token, logprob, now))
+        for item in plan.scheduled:  # drafts are computed, not committed: they wait for _verify
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_tokens)
+        outputs += self._verify(completing, result, now)
         for item in plan.scheduled:
             if not item.seq.is_finished:
                 self.block_manager.cache_full_blocks(item.seq)
+        return outputs
+
+    def _verify(self, completing: list[ScheduledSeq], result: StepResult, now: float) -> list[RequestOutput]:
+        """Sample each completing sequence depth by depth: depth d samples the position
+        after its d-th draft with the sequence as it stands (seed index, penalties'
+        history, grammar and guards all past the tokens accepted so far), appends the
+        token, and goes one deeper only when that token is the draft there. So every
+        token is the one plain decoding would have sampled at its position."""
+        outputs: list[RequestOutput | None] = [None] * len(completing)
+        appended: list[list[int]] = [[] for _ in completing]
+        active, depth = list(range(len(completing))), 0
+        while active:
+            rows = [self.guards.sampling_row(completing[i].seq) for i in active]
+            tokens, logprobs = result.sample([result.first_rows[i] + depth for i in active], rows)
+            still = []
+            for i, token, logprob in zip(active, tokens, logprobs, strict=True):
+                seq, drafts = completing[i].seq, completing[i].draft_tokens
+                out = self._append(seq, token, logprob, now)
+                if outputs[i] is None:
+                    outputs[i] = out
+                else:
+                    outputs[i].absorb(out)
+                appended[i].append(token)
+                if depth < len(drafts) and token == drafts[depth] and not seq.is_finished:
+                    seq.num_computed_tokens += 1  # the draft's KV, written by this step, is now its own
+                    still.append(i)
+            active, depth = still, depth + 1
+        for item, tokens, out in zip(completing, appended, outputs, strict=True):
+            if item.draft_tokens:  # each accepted draft took the loop one deeper
+                self.speculator.verified(item.seq, item.draft_tokens, len(tokens) - 1, tokens)
+            if item.seq.is_finished and out.final is None:  # after the step's accounting
+                out.final = final_event(item.seq, now)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
@@ -175,8 +234,6 @@ class Scheduler:
         out = token_output(seq, emitted, logprob)
         if out.prompt_logprobs is not None:
             seq.prompt_logprobs = None  # sent: a later recompute (preemption) may use the prefix cache
-        if guard is not None:
-            out.final = final_event(seq, now)
         return out
 
     def _prompt_only(self, seq: Sequence, now: float) -> RequestOutput:

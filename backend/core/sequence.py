@@ -2,7 +2,8 @@
 
 Who writes what: the scheduler owns the lifecycle (admission, scheduling, the tokens
 of each step, finishing), the block manager the blocks; the guards keep their own
-state in `guard_state` (backend.guards.policy). Everyone else reads.
+state in `guard_state` (backend.guards.policy), the speculator in `spec`. Everyone
+else reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from backend.contract import FinishGuard, FinishReason, GenerationRequest, Logpr
 
 if TYPE_CHECKING:
     from backend.guards.policy import GuardState
+    from backend.speculation.speculator import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +41,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     dry_breaker_ids: tuple[int, ...] = ()  # the tokens holding a DRY sequence breaker string
+    spec: SpecState | None = None  # its drafting state (the Speculator's); None: it never drafts
     # scheduling state (the scheduler's and the block manager's)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.contract import Logprob
 from backend.core.sequence import Sequence
 
+# (logits rows, their sampling rows) -> (a token per row, its logprob when the row asks)
+Sample = Callable[[list[int], list[Any]], tuple[list[int], list[Logprob | None]]]
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """A sequence's part of the step: `num_new_tokens` query tokens, the last
+    `len(draft_tokens)` of them speculative (proposed, not yet part of the sequence)."""
+
     seq: Sequence
     num_new_tokens: int
+    draft_tokens: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """True when this step computes the sequence's last token, so it samples the next."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        real = self.num_new_tokens - len(self.draft_tokens)
+        return self.seq.num_computed_tokens + real == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -41,10 +51,12 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one forward produced: a token per completing sequence, and the logprobs asked for."""
+    """What one forward produced. Each completing sequence owns 1 + len(drafts) logits
+    rows from `first_rows[i]` on: the row at depth d predicts the token after its d-th
+    draft. `sample` draws from rows on demand, so that the scheduler can sample a depth
+    only once it knows which drafts the depths before it accepted."""
 
-    tokens: list[int] = field(default_factory=list)
-    # per completing sequence, None where its request did not ask
-    logprobs: list[Logprob | None] = field(default_factory=list)
+    sample: Sample
+    first_rows: list[int] = field(default_factory=list)  # per completing sequence, in order
     # (sequence, first prompt position of the chunk, logprobs of prompt tokens start+1 ..)
     prompt_logprobs: list[tuple[Sequence, int, list[Logprob]]] = field(default_factory=list)

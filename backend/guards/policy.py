@@ -95,6 +95,14 @@ class Guards:
             seq.dry_breaker_ids,
         )  # fmt: skip
 
+    def valid_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the sequence's grammar would refuse; the grammar
+        is checked, not advanced (only verified tokens advance it, in `after_token`)."""
+        grammar = seq.guard_state.grammar
+        if grammar is None or not drafts:
+            return drafts
+        return [] if grammar.is_terminated else drafts[: grammar.valid_prefix(drafts)]
+
     def after_token(self, seq: Sequence, token: int) -> FinishGuard | None:
         """Advance the guards past `token`, just appended; the guard that finishes the
         sequence, if one does."""

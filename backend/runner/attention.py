@@ -2,8 +2,9 @@
 
 The model builds one `AttentionPlan` per forward (and per distinct sliding window) and
 reuses it in every layer, so the gather indices and masks cost once per step, not once
-per layer. Decode rows (one new token each) run as one batched SDPA call over their
-gathered, padded contexts; prefill chunks run one SDPA call per sequence.
+per layer. Short queries (a decode's one token, a verify step's 1 + k) run as one
+batched SDPA call per query length over their gathered, padded contexts; longer
+prefill chunks run one SDPA call per sequence.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from backend.runner.forward_batch import ForwardBatch
 
 @dataclass(slots=True)
 class DecodeRows:
-    token_rows: torch.Tensor | None  # [Bd] rows of the flat batch; None when every row decodes
+    """Sequences of one short query length (a decode: 1; a verify step: 1 + its drafts),
+    attended in one batched SDPA call over their gathered, padded contexts."""
+
+    token_rows: torch.Tensor | None  # [Bd * query_len] rows of the flat batch; None: all, in order
+    query_len: int
     slots: torch.Tensor  # [Bd * L] flat KV slot of each context position, padding points at slot 0
-    mask: torch.Tensor | None  # [Bd, 1, 1, L] additive (0 or -inf); None when nothing is masked
+    mask: torch.Tensor | None  # [Bd, 1, query_len * G, L] additive (0 or -inf); None: nothing masked
 
 
 @dataclass(slots=True)
@@ -33,16 +38,33 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class AttentionPlan:
-    decode: DecodeRows | None
+    decode: list[DecodeRows]  # one per short query length present
     prefills: list[PrefillChunk]
 
 
+MAX_SHORT_QUERY = 16  # query tokens up to which a sequence joins the batched decode call
+
+
 def build_attention_plan(
-    batch: ForwardBatch, block_size: int, dtype: torch.dtype, sliding_window: int | None = None
+    batch: ForwardBatch,
+    block_size: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    query_group: int = 1,
 ) -> AttentionPlan:
-    decode_seqs = [i for i, n in enumerate(batch.query_lens) if n == 1]
-    decode = _decode_rows(batch, decode_seqs, block_size, dtype, sliding_window) if decode_seqs else None
-    prefills = [_prefill_chunk(batch, i, block_size, sliding_window) for i, n in enumerate(batch.query_lens) if n > 1]
+    """`query_group`: query heads per KV head (the layout a multi-token mask needs)."""
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(batch.query_lens):
+        if n <= MAX_SHORT_QUERY:
+            by_len.setdefault(n, []).append(i)
+    decode = [
+        _decode_rows(batch, seqs, n, block_size, dtype, sliding_window, query_group) for n, seqs in by_len.items()
+    ]
+    prefills = [
+        _prefill_chunk(batch, i, block_size, sliding_window)
+        for i, n in enumerate(batch.query_lens)
+        if n > MAX_SHORT_QUERY
+    ]
     return AttentionPlan(decode, prefills)
 
 
@@ -53,31 +75,38 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 
 
 def _decode_rows(
-    batch: ForwardBatch, seqs: list[int], block_size: int, dtype: torch.dtype, sliding_window: int | None
+    batch: ForwardBatch,
+    seqs: list[int],
+    query_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    query_group: int,
 ) -> DecodeRows:
     device = batch.block_tables.device
-    all_decode = len(seqs) == batch.num_seqs
     tables = batch.block_tables
     token_rows = None
-    if not all_decode:
-        index = torch.tensor(seqs, device=device)
-        tables = tables.index_select(0, index)
-        token_rows = torch.tensor([batch.query_start[i] for i in seqs], device=device)
+    if len(seqs) < batch.num_seqs:
+        tables = tables.index_select(0, torch.tensor(seqs, device=device))
+        rows = [batch.query_start[i] + t for i in seqs for t in range(query_len)]
+        token_rows = torch.tensor(rows, device=device)
     ctx = [batch.context_lens[i] for i in seqs]
     max_len = max(ctx)
     slots = _context_slots(tables, max_len, block_size).reshape(-1)
-    if min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
-        return DecodeRows(token_rows, slots, None)  # no padding, no window: every key is seen
-    # The query is the last context token, so it may see every key of its context
-    # (and, with a sliding window, only the last `sliding_window` of them). An additive
-    # mask measured faster than a boolean one in SDPA's CPU kernel.
-    ctx_lens = torch.tensor(ctx, device=device)[:, None]
-    pos = torch.arange(max_len, device=device)[None, :]
-    seen = pos < ctx_lens
+    if query_len == 1 and min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
+        return DecodeRows(token_rows, 1, slots, None)  # no padding, no window: every key is seen
+    # Query t of a sequence sits at position ctx - query_len + t: it sees the keys up to
+    # there (and, with a sliding window, only the last `sliding_window` of them). An
+    # additive mask measured faster than a boolean one in SDPA's CPU kernel.
+    last = torch.tensor(ctx, device=device)[:, None] - query_len + torch.arange(query_len, device=device)
+    pos = torch.arange(max_len, device=device)[None, None, :]
+    seen = pos <= last[:, :, None]  # [Bd, query_len, L]
     if sliding_window is not None:
-        seen &= pos >= ctx_lens - sliding_window
+        seen &= pos > last[:, :, None] - sliding_window
     mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
-    return DecodeRows(token_rows, slots, mask[:, None, None, :])
+    if query_len > 1:  # one mask row per (query token, query head of the group), in that order
+        mask = mask.repeat_interleave(query_group, dim=1)
+    return DecodeRows(token_rows, query_len, slots, mask[:, None, :, :])
 
 
 def _prefill_chunk(batch: ForwardBatch, i: int, block_size: int, sliding_window: int | None) -> PrefillChunk:
@@ -122,26 +151,31 @@ def paged_attention(
     if plan is None:
         plan = build_attention_plan(batch, kv_cache.shape[2], q.dtype)
     write_kv(kv_cache, k, v, batch.slot_mapping)
-    if plan.decode is not None and not plan.prefills:
-        return _decode_attention(q, kv_cache, plan.decode, scale)
+    if len(plan.decode) == 1 and plan.decode[0].token_rows is None:
+        return _decode_attention(q, kv_cache, plan.decode[0], scale)
     out = torch.empty_like(q)
-    if plan.decode is not None:
-        rows = plan.decode.token_rows
-        out.index_copy_(0, rows, _decode_attention(q.index_select(0, rows), kv_cache, plan.decode, scale))
+    for group in plan.decode:
+        rows = group.token_rows
+        out.index_copy_(0, rows, _decode_attention(q.index_select(0, rows), kv_cache, group, scale))
     for chunk in plan.prefills:
         out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, scale)
     return out
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, scale: float) -> torch.Tensor:
-    # q: [Bd, H, D] -> [Bd, KV, G, D]: a KV head's G query heads act as G queries of one
-    # sequence, so GQA needs neither repeat_interleave nor enable_gqa here.
+    # q: [Bd * n, H, D] -> [Bd, KV, n * G, D]: a KV head's G query heads, for each of a
+    # sequence's n query tokens, act as n * G queries of one sequence, so GQA needs
+    # neither repeat_interleave nor enable_gqa here, and each sequence's context is
+    # gathered once for all its query tokens.
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    num_seqs, num_heads = q.shape[0], q.shape[1]
-    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    n, num_heads = rows.query_len, q.shape[1]
+    num_seqs, group = q.shape[0] // n, num_heads // num_kv_heads
+    grouped = q.view(num_seqs, n, num_kv_heads, group, head_dim).transpose(1, 2)
+    grouped = grouped.reshape(num_seqs, num_kv_heads, n * group, head_dim)
     k, v = (_gather(kv_cache[i], rows.slots, num_seqs) for i in (0, 1))
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows.mask, scale=scale)
-    return out.view(num_seqs, num_heads, head_dim)
+    out = out.view(num_seqs, num_kv_heads, n, group, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs * n, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ Owns the model weights and the KV cache tensors (one per layer,
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from backend.core.config import EngineConfig
@@ -69,15 +71,18 @@ class ModelRunner:
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start : start + n])
+            drafts = item.draft_tokens
+            input_ids.extend(seq.token_ids[start : start + n - len(drafts)])
+            input_ids.extend(drafts)  # speculative tokens sit after the sequence's own
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             query_lens.append(n)
             context_lens.append(start + n)
             query_start.append(query_start[-1] + n)
-            if item.completes:
-                logits_indices.append(query_start[-1] - 1)
+            if item.completes:  # the last real token's logits, then each draft's
+                end = query_start[-1]
+                logits_indices.extend(range(end - 1 - len(drafts), end))
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
 
@@ -96,21 +101,28 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow]) -> StepResult:
-        """Forward the step; sample one token per sequence that completes.
-
-        rows: sampling info for the completing sequences, in their scheduled order.
-        Logprobs are computed only for the rows and prompts that asked for them.
-        """
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """Forward the step: the logits rows of the completing sequences (one, plus one per
+        draft) and the prompt logprobs asked for; the rows are sampled on demand."""
         batch = self.build_batch(scheduled)
         hidden = self.model(batch, self.kv_caches)
         spans = lp.prompt_logprob_spans(scheduled, batch.query_start)
         prompt = lp.prompt_logprobs(hidden, spans, self.model.compute_logits) if spans else []
-        result = StepResult([], [], [(s.seq, s.start, v) for s, v in zip(spans, prompt, strict=True)])
-        if not rows:
-            return result
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        wanted, raw = lp.raw_logprobs(logits, rows)  # before sampling: it edits logits in place
-        result.tokens = sample(logits, rows)
-        result.logprobs = lp.token_logprobs(wanted, raw, rows, result.tokens)
-        return result
+        prompt_logprobs = [(s.seq, s.start, v) for s, v in zip(spans, prompt, strict=True)]
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if len(batch.logits_indices) else None
+        first_rows, row = [], 0
+        for item in scheduled:
+            if item.completes:
+                first_rows.append(row)
+                row += 1 + len(item.draft_tokens)
+        return StepResult(partial(_sample_rows, logits), first_rows, prompt_logprobs)
+
+
+@torch.inference_mode()
+def _sample_rows(logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> tuple[list, list]:
+    """A token per row of `logits[indices]`, and its raw logprob when the row asks."""
+    whole = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
+    chosen = logits if whole else logits[indices]  # a copy: the sampler edits its logits in place
+    wanted, raw = lp.raw_logprobs(chosen, rows)  # before sampling
+    tokens = sample(chosen, rows)
+    return tokens, lp.token_logprobs(wanted, raw, rows, tokens)

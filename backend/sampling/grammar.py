@@ -59,6 +59,17 @@ class GrammarState:
                 return False
         return True
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of the tokens, in order, the grammar would accept from here (the state
+        is left as it was: a check, not an advance)."""
+        accepted = 0
+        for token_id in token_ids:
+            if not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        self.rollback(accepted)
+        return accepted
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted; every token is refused now."""

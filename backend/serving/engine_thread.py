@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.contract import EngineUnavailable, GenerationRequest, ModelInfo, RequestOutput
 from backend.sampling.grammar import CompiledGrammar
+from backend.speculation.speculator import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class EngineSnapshot:
     requests_running: int = 0  # in the batch
     requests_waiting: int = 0  # queued for the batch (preempted ones included)
     num_preemptions: int = 0  # since start
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counters, since start
 
     @property
     def kv_blocks_used(self) -> int:
@@ -218,4 +220,5 @@ class EngineThread:
             requests_running=self._engine.num_running(),
             requests_waiting=self._engine.num_waiting(),
             num_preemptions=self._engine.num_preemptions,
+            spec=self._engine.spec_stats(),
         )

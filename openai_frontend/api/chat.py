@@ -74,7 +74,10 @@ def _request(
         )
     # Stop strings are matched here, so the model streams to let us cancel it early.
     stream = body.stream or bool(body.stop_strings())
-    generation = build_request(body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults)
+    prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
+    generation = build_request(
+        body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults, prediction=prediction
+    )
     if tools is not None:
         tools.constrain(generation, messages)
     return validated(body, generation, info)

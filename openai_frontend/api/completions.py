@@ -26,9 +26,10 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     prompts = [tokenization.encode_prompt(prompt) for prompt in body.prompts()]
     ticket = ticket_of(request)
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
+    prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
     requests = [
-        validated(body, build_request(body, prompt, info, tenant=ticket.tenant, stream=stream), info)
-        for prompt in prompts
+        validated(body, build_request(body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction), info)
+        for p in prompts
     ]
     streams = serving.generate(body, requests, "completions", ticket, dump)
     if body.echo:

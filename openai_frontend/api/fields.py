@@ -57,6 +57,8 @@ def _no_obfuscation(options: Any) -> bool:
     return not (isinstance(options, dict) and options.get("include_obfuscation"))
 
 
+_PREDICTION = "Predicted Outputs: the expected output's tokens are drafts for speculative decoding"
+
 # the fields both endpoints take
 SHARED: dict[str, FieldRule] = {
     "model": _supported("the served model's name (a 404 for any other)"),
@@ -99,7 +101,7 @@ CHAT: dict[str, FieldRule] = {
     "audio": _refused("audio output is not supported"),
     "verbosity": _refused("verbosity control is not supported"),
     "web_search_options": _refused("web search is not supported"),
-    "prediction": _refused("Predicted Outputs are not supported yet (speculative decoding)"),
+    "prediction": _supported(_PREDICTION),
     "prompt_cache_retention": _refused("cache retention options are not supported"),
     "prompt_cache_options": _refused("cache options are not supported"),
     "moderation": _refused("moderation is not supported"),
@@ -140,6 +142,9 @@ EXTENSIONS: dict[str, FieldRule] = {
         )  # fmt: skip
     },
 }
+
+# completions' own extensions: chat's Predicted Outputs
+COMPLETION_EXTENSIONS: dict[str, FieldRule] = {"prediction": _supported(_PREDICTION)}
 
 # chat's own extensions
 CHAT_EXTENSIONS: dict[str, FieldRule] = {

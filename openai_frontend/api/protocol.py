@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openai_frontend.api.errors import bad_request
-from openai_frontend.api.fields import COMPLETIONS, FieldRule, refusal
+from openai_frontend.api.fields import COMPLETION_EXTENSIONS, COMPLETIONS, FieldRule, refusal
 
 MAX_CHOICES = 8  # `n`: each choice is its own model request (the prefix cache shares the prompt)
 MAX_PROMPT_CHOICES = 64  # completions: prompts x n, each a model request (the engine's default batch)
@@ -26,6 +26,31 @@ MAX_TIMEOUT_S = 86_400.0 * 365  # `timeout`: a year; a bound keeps the engine's 
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # refused when true (api/fields.py)
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the output expected (an edited file's original, say),
+    as a text or a list of text parts. Its tokens are drafts for speculative decoding:
+    they make the answer faster where it matches, never different."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    content: str | list[dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _content_shape(self):
+        if self.type != "content":
+            raise ValueError(f"type must be 'content', not {self.type!r}")
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError(f"content[{i}] must be a text part: {{'type': 'text', 'text': '...'}}")
+        return self
+
+    def text(self) -> str:
+        content = self.content
+        return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
 class RepetitionDetection(BaseModel):
@@ -61,6 +86,7 @@ class GenerationBody(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    prediction: Prediction | None = None  # chat's, in the spec; completions take it too
 
     # --- extensions (vLLM-style extra body fields) ---
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM sends -1)
@@ -77,6 +103,18 @@ class GenerationBody(BaseModel):
     # Any other field of the contract's request not derived by the frontend (num_beams,
     # dry_multiplier, thinking_budget, ...) may be sent by its contract name and is
     # forwarded as is (request_builder.FORWARDABLE).
+
+    @field_validator("prediction", mode="wrap")
+    @classmethod
+    def _prediction_is_named(cls, value, handler):
+        """Any shape error inside it names `prediction` and says what it should be."""
+        try:
+            return handler(value)
+        except ValueError as exc:
+            problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()[:1])
+            raise ValueError(
+                f"expected {{'type': 'content', 'content': a text or a list of text parts}} ({problems})"
+            ) from None
 
     @field_validator("n", "stream", "echo", "max_tokens", "ignore_eos", mode="before", check_fields=False)
     @classmethod
@@ -180,6 +218,7 @@ _PARAM_OF_FIELD = {
     "grammar_kind": "response_format",
     "grammar_spec": "response_format",
     "tools_present": "tools",
+    "prediction_tokens": "prediction",
     "require_tool_call": "tool_choice",
     "suppress_tool_call": "tool_choice",
     "enable_thinking": "chat_template_kwargs.enable_thinking",
@@ -209,6 +248,8 @@ def _long_string(value: Any, limit: int, path: str = "") -> str | None:
 
 
 class CompletionRequest(GenerationBody):
+    FIELDS: ClassVar[dict[str, FieldRule]] = {**COMPLETIONS, **COMPLETION_EXTENSIONS}
+
     # a text, token ids, or a list of either: each prompt gets its own n choices, in order;
     # null or "": the start of a document (the spec's "<|endoftext|>")
     prompt: str | list[str] | list[int] | list[list[int]] | None

@@ -39,13 +39,16 @@ def build_request(
     tenant: str,
     stream: bool,
     presets: Mapping[str, Any] | None = None,
+    prediction: list[int] = (),
 ) -> GenerationRequest:
     """The body's request for `prompt`, not yet validated (tools may still constrain it:
-    `validated`). `presets`: sampling defaults for the fields the body does not set."""
+    `validated`). `presets`: sampling defaults for the fields the body does not set;
+    `prediction`: the tokens of the body's prediction."""
     defaults = SamplingParams(**{k: v for k, v in (presets or {}).items() if not body.sets(k)})
     request = GenerationRequest(
-        list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream
-    )
+        list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream,
+        prediction_tokens=tuple(prediction),
+    )  # fmt: skip
     grammar = body.grammar()
     if grammar is not None:
         request.grammar_kind, request.grammar_spec = grammar
@@ -63,6 +66,13 @@ def validated(body: GenerationBody, request: GenerationRequest, info: ModelInfo)
         request.validate(info.vocab_size)
     except ContractError as exc:
         raise _refusal(body, exc) from None
+    room = info.max_model_len - len(request.prompt_tokens)
+    if 0 < room < len(request.prediction_tokens):  # (a prompt that leaves no room is check_context's 400)
+        message = (
+            f"prediction: it has {len(request.prediction_tokens)} tokens, and this model's context "
+            f"({info.max_model_len} tokens) leaves {room} for the output after the {body.PROMPT_PARAM}"
+        )
+        raise bad_request("prediction", message)
     return request
 
 

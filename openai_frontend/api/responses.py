@@ -15,6 +15,8 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # Predicted Outputs: the prediction's tokens the output matched
+    rejected_prediction_tokens: int = 0  # and those it did not (billed as completion tokens all the same)
 
 
 class Usage(BaseModel):
@@ -106,7 +108,11 @@ def usage_of(finals: list[FinalEvent], choices_per_prompt: int = 1) -> Usage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(f.num_cached_tokens for f in heads)),
-        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(f.num_reasoning_tokens for f in finals)),
+        completion_tokens_details=CompletionTokensDetails(
+            reasoning_tokens=sum(f.num_reasoning_tokens for f in finals),
+            accepted_prediction_tokens=sum(f.num_accepted_prediction_tokens for f in finals),
+            rejected_prediction_tokens=sum(f.num_rejected_prediction_tokens for f in finals),
+        ),
     )
 
 

@@ -61,6 +61,10 @@ class Tokenization:
             return list(prompt)
         return self.tokenizer(prompt)["input_ids"] or [self.document_start_id]
 
+    def encode_text(self, text: str) -> list[int]:
+        """A text as the model would write it: no BOS or other special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs (the decode of its id alone, special tokens kept)."""
         text = self._token_texts.get(token_id)

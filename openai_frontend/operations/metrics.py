@@ -11,14 +11,12 @@ All updates happen on the event loop's thread, so plain numbers need no lock.
 
 from __future__ import annotations
 
-import re
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 
-import httpx
-
 from backend.contract import FinalEvent
-from openai_frontend.operations.prometheus import Counter, Family, Gauge, Histogram, token_buckets
+from openai_frontend.operations.engine_metrics import engine_families, read_engine
+from openai_frontend.operations.prometheus import Counter, Gauge, Histogram, token_buckets
 
 PREFIX = "llm_frontend"
 
@@ -29,42 +27,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-# The model's series on Triton's metrics port that the engine gauges come from.
-ENGINE_SERIES = (
-    "llm_requests_running",
-    "llm_requests_waiting",
-    "llm_kv_blocks_used",
-    "llm_kv_blocks_total",
-    "llm_preemptions_total",
-)
-_SAMPLE = re.compile(r"^(llm_[a-z_]+)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
-
-
-# -- the engine's figures ----------------------------------------------------------
-
-
-async def read_engine(url: str | None, timeout_s: float = 2.0) -> dict[str, float] | None:
-    """The model's ENGINE_SERIES from Triton's metrics port; None when unreachable."""
-    if not url:
-        return None
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            response = await client.get(url)
-            response.raise_for_status()
-    except httpx.HTTPError:
-        return None
-    return parse_engine(response.text)
-
-
-def parse_engine(text: str) -> dict[str, float]:
-    """ENGINE_SERIES values in a Prometheus text page (series of one name add up)."""
-    values: dict[str, float] = {}
-    for name, value in _SAMPLE.findall(text):
-        if name in ENGINE_SERIES:
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
-
 
 # -- the frontend's metrics ----------------------------------------------------------
 
@@ -217,34 +179,9 @@ class Metrics:
     def render(self, engine: dict[str, float] | None = None) -> str:
         lines = self._legacy_lines()
         tokens = self.tokens.all() if self.tokens is not None else ()
-        for family in (*tokens, *self.latencies.all(), *self._engine_families(engine)):
+        for family in (*tokens, *self.latencies.all(), *engine_families(engine, self.model_name)):
             lines += family.render()
         return "\n".join(lines) + "\n"
-
-    def _engine_families(self, engine: dict[str, float] | None) -> list[Family]:
-        """The engine's gauges; left out (not zero) when Triton did not answer."""
-        m, model = ("model_name",), self.model_name
-        up = Gauge(f"{PREFIX}_engine_metrics_up", "1 if Triton's metrics port answered this scrape.", m)
-        up.set(1 if engine is not None else 0, model)
-        families: list[Family] = [up]
-        if engine is None:
-            return families
-        for name, source, help_text in (
-            ("vllm:num_requests_running", "llm_requests_running", "Requests in the engine's batch."),
-            ("vllm:num_requests_waiting", "llm_requests_waiting", "Requests waiting for the batch."),
-        ):
-            if source in engine:
-                families.append(_gauge(name, help_text, engine[source], model))
-        used, total = engine.get("llm_kv_blocks_used"), engine.get("llm_kv_blocks_total")
-        if used is not None and total:
-            usage = used / total
-            families.append(_gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage, model))
-            families.append(_gauge("vllm:gpu_cache_usage_perc", "Older name of kv_cache_usage_perc.", usage, model))
-        if "llm_preemptions_total" in engine:
-            preemptions = Counter("vllm:num_preemptions_total", "Sequences preempted by the engine.", m)
-            preemptions.inc(model, amount=engine["llm_preemptions_total"])
-            families.append(preemptions)
-        return families
 
     def _legacy_lines(self) -> list[str]:
         """The llm_frontend_* series that came before the vLLM names (tests and scripts read them)."""
@@ -268,9 +205,3 @@ class Metrics:
             family.inc(amount=value)
             lines += family.render()
         return lines
-
-
-def _gauge(name: str, help_text: str, value: float, model: str) -> Gauge:
-    gauge = Gauge(name, help_text, ("model_name",))
-    gauge.set(value, model)
-    return gauge

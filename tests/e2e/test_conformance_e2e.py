@@ -106,8 +106,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt(http):
 def test_created_is_the_arrival_time(client, model):
     sent = time.time()
     reply = client.completions.create(
-        model=model, prompt="1, 2,", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
-    )
+        model=model, prompt="1, 2,", max_tokens=64, temperature=0, extra_body={"ignore_eos": True, "disable_mtp": True}
+    )  # plain decoding: drafts make a counting answer too quick for the check
     assert time.time() - sent > 1.5, "the answer should take a while for this check to mean something"
     assert reply.created <= int(sent) + 1
 
@@ -118,7 +118,6 @@ def test_created_is_the_arrival_time(client, model):
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"verbosity": "low"}, "verbosity"),
         ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
         ({"stream_options": {"include_obfuscation": True}, "stream": True}, "stream_options"),

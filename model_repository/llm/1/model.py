@@ -143,15 +143,15 @@ def _send_quietly(sender, response: pb_utils.InferenceResponse, flags: int) -> N
         log.exception("send failed")
 
 
-_families: list = []  # a MetricFamily must outlive its Metric objects
+_families: dict = {}  # by name; a MetricFamily must outlive its Metric objects
 
 
-def _metric(name: str, description: str, kind: str):
+def _metric(name: str, description: str, kind: str, labels: dict[str, str] | None = None):
     """One of the model's metrics on Triton's metrics port (backend.serving.gauges)."""
-    kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
-    family = pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
-    _families.append(family)
-    return family.Metric(labels={})
+    if name not in _families:
+        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+        _families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
+    return _families[name].Metric(labels=labels or {})
 
 
 def _release_metric_families() -> None:

@@ -30,7 +30,8 @@ def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens):
 def run_step(sched, plan, new_token=7):
     """What the engine does after the forward: the scheduler advances the sequences and
     appends a token to each that caught up."""
-    return sched.update(plan, StepResult(tokens=[new_token] * len(plan.completing)))
+    rows = list(range(len(plan.completing)))  # no drafts here: one logits row each
+    return sched.update(plan, StepResult(lambda idx, _: ([new_token] * len(idx), [None] * len(idx)), rows))
 
 
 def plan_of(plan):

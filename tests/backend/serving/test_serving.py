@@ -24,6 +24,7 @@ from backend.serving.engine_thread import EngineSnapshot, EngineThread
 from backend.serving.gauges import Gauges
 from backend.serving.live import LiveRequests, Packet
 from backend.serving.sender import SenderLoop
+from backend.speculation.speculator import SpecStats
 
 
 def _final(num_output_tokens: int, reason: FinishReason = FinishReason.LENGTH) -> FinalEvent:
@@ -282,6 +283,9 @@ class FakeEngine:
 
     num_preemptions = 0
 
+    def spec_stats(self) -> SpecStats:
+        return SpecStats()
+
     def num_running(self) -> int:
         return len(self.requests)
 
@@ -440,10 +444,12 @@ class FakeMetrics:
     def __init__(self):
         self.made: dict[str, FakeMetric] = {}
 
-    def __call__(self, name: str, description: str, kind: str) -> FakeMetric:
-        assert description and name not in self.made
-        self.made[name] = FakeMetric(name, kind)
-        return self.made[name]
+    def __call__(self, name: str, description: str, kind: str, labels: dict[str, str] | None = None) -> FakeMetric:
+        """Keyed as the series reads on a metrics page: name{label="value",...}."""
+        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        assert description and key not in self.made
+        self.made[key] = FakeMetric(key, kind)
+        return self.made[key]
 
     def calls(self) -> dict[str, list[tuple[str, float]]]:
         """Every metric's calls since the last look."""
@@ -481,6 +487,9 @@ def test_gauges_are_set_only_when_their_values_change():
         "llm_preemptions_total": "counter",
         "llm_responses_total": "counter",
         "llm_generated_tokens_total": "counter",
+        "llm_spec_decode_num_drafts_total": "counter",
+        "llm_spec_decode_num_draft_tokens_total": "counter",
+        "llm_spec_decode_num_accepted_tokens_total": "counter",
     }
     gauges.publish(_snapshot(), in_flight=4)
     assert metrics.calls() == {
@@ -517,6 +526,31 @@ def test_counters_are_incremented_by_the_deltas():
     assert metrics.calls() == {"llm_preemptions_total": [("increment", 3)]}  # the delta, not the total
     gauges.publish(_snapshot(preemptions=5), in_flight=3)
     assert metrics.calls() == {}
+
+
+def test_speculation_counters_are_published_per_draft_position():
+    metrics = FakeMetrics()
+    gauges = Gauges(metrics, every_s=0.0)
+    snapshot = _snapshot()
+    snapshot.spec.num_drafts, snapshot.spec.num_draft_tokens, snapshot.spec.num_accepted_tokens = 3, 9, 5
+    snapshot.spec.accepted_per_pos = [3, 2, 0]
+    gauges.publish(snapshot, in_flight=3)
+    calls = metrics.calls()
+    assert {name: calls[name] for name in calls if "spec" in name} == {
+        "llm_spec_decode_num_drafts_total": [("increment", 3)],
+        "llm_spec_decode_num_draft_tokens_total": [("increment", 9)],
+        "llm_spec_decode_num_accepted_tokens_total": [("increment", 5)],
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="0"}': [("increment", 3)],
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="1"}': [("increment", 2)],
+    }
+    assert metrics.made['llm_spec_decode_num_accepted_tokens_per_pos_total{position="2"}'].kind == "counter"
+    snapshot.spec.num_drafts, snapshot.spec.accepted_per_pos = 4, [4, 2, 1]
+    gauges.publish(snapshot, in_flight=3)
+    assert metrics.calls() == {
+        "llm_spec_decode_num_drafts_total": [("increment", 1)],
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="0"}': [("increment", 1)],
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="2"}': [("increment", 1)],
+    }
 
 
 def test_gauges_publish_at_most_every_interval():

@@ -9,7 +9,14 @@ import httpx
 import pytest
 
 from backend.contract import FinishReason
-from openai_frontend.api.fields import CHAT, CHAT_EXTENSIONS, COMPLETIONS, EXTENSIONS, Treatment
+from openai_frontend.api.fields import (
+    CHAT,
+    CHAT_EXTENSIONS,
+    COMPLETION_EXTENSIONS,
+    COMPLETIONS,
+    EXTENSIONS,
+    Treatment,
+)
 from openai_frontend.app import Settings, create_app
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.openai_spec import request_fields
@@ -25,7 +32,9 @@ def test_the_table_holds_every_spec_field_and_no_other():
     assert set(COMPLETIONS) == set(SPEC_COMPLETIONS)
     extensions = set(EXTENSIONS) | set(CHAT_EXTENSIONS)
     assert not extensions & (set(SPEC_CHAT) | set(SPEC_COMPLETIONS)), "an extension shadows a spec field"
-    for table in (CHAT, COMPLETIONS, EXTENSIONS, CHAT_EXTENSIONS):
+    # completions' own extensions are chat fields of the spec, honoured on completions too
+    assert set(COMPLETION_EXTENSIONS) <= set(SPEC_CHAT) - set(SPEC_COMPLETIONS)
+    for table in (CHAT, COMPLETIONS, EXTENSIONS, CHAT_EXTENSIONS, COMPLETION_EXTENSIONS):
         for name, rule in table.items():
             assert rule.note, f"{name}: the table says nothing about it"
 
@@ -73,7 +82,7 @@ CHAT_CASES = {
     "audio": ({"voice": "alloy", "format": "mp3"}, None),
     "verbosity": ("low", None),
     "web_search_options": ({}, None),
-    "prediction": ({"type": "content", "content": "x"}, None),
+    "prediction": ({"type": "content", "content": "def f(x):"}, lambda r, b: len(r.prediction_tokens) >= 4),
     "prompt_cache_retention": ("24h", None),
     "prompt_cache_options": ({"ttl": "30m"}, None),
     "moderation": ({"model": "omni-moderation-latest"}, None),
@@ -190,6 +199,48 @@ def test_what_is_not_honoured_is_a_400_naming_it(app, body, param):
 def test_completions_refuse_what_only_chat_would_honour(app, body, param):
     response, engine = _post(app, "/v1/completions", body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_prediction_as_text_parts_is_their_text_tokenized(app, tokenization, path):
+    parts = [{"type": "text", "text": "def area(r):\n"}, {"type": "text", "text": "    return 3.14 * r * r\n"}]
+    base = {"messages": USER} if "chat" in path else {"prompt": "x"}
+    response, engine = _post(app, path, {**base, "prediction": {"type": "content", "content": parts}})
+    assert response.status_code == 200, response.text
+    want = tokenization.encode_text("def area(r):\n    return 3.14 * r * r\n")
+    assert list(engine.requests[0].prediction_tokens) == want
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [
+        "def f(x): pass",  # a bare string, not the object
+        {"type": "text", "content": "x"},
+        {"content": "x"},
+        {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
+        {"type": "content", "content": 7},
+        {"type": "content", "content": "x", "extra": 1},
+    ],
+)
+def test_a_prediction_of_the_wrong_shape_is_a_400_naming_it(app, prediction):
+    for path, base in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"})):
+        response, engine = _post(app, path, {**base, "prediction": prediction})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "prediction" and "type" in error["message"], error
+        assert engine.requests == []
+
+
+def test_a_prediction_longer_than_the_context_allows_is_a_400_naming_it(app):
+    """The fake model's context is 8192 tokens: a prediction of more than what is left."""
+    text = "word " * 9000
+    response, engine = _post(
+        app, "/v1/chat/completions", {"messages": USER, "prediction": {"type": "content", "content": text}}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prediction" and "leaves" in error["message"], error
     assert engine.requests == []
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from backend.contract import FinalEvent, FinishGuard, FinishReason, GenerationRequest
 from openai_frontend.app import Settings, create_app
-from openai_frontend.operations.metrics import Metrics, parse_engine, read_engine
+from openai_frontend.operations.engine_metrics import parse_engine, read_engine
+from openai_frontend.operations.metrics import Metrics
 from openai_frontend.operations.prometheus import Counter, Histogram, token_buckets
 from tests.helpers.fake_engine import FakeEngine
 
@@ -63,6 +64,11 @@ llm_requests_running{} 2
 llm_requests_waiting 1
 llm_preemptions_total 3
 llm_kv_blocks_used_other 99
+llm_spec_decode_num_drafts_total 7
+llm_spec_decode_num_draft_tokens_total 20
+llm_spec_decode_num_accepted_tokens_total 9
+llm_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 6
+llm_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3
 """
 
 
@@ -74,6 +80,11 @@ def test_engine_page_is_parsed_and_becomes_vllm_gauges():
         "llm_requests_running": 2,
         "llm_requests_waiting": 1,
         "llm_preemptions_total": 3,
+        "llm_spec_decode_num_drafts_total": 7,
+        "llm_spec_decode_num_draft_tokens_total": 20,
+        "llm_spec_decode_num_accepted_tokens_total": 9,
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 6,
+        'llm_spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 3,
     }
     text = Metrics("smol").render(engine)
     assert _value(text, 'vllm:kv_cache_usage_perc{model_name="smol"}') == 0.25
@@ -81,6 +92,11 @@ def test_engine_page_is_parsed_and_becomes_vllm_gauges():
     assert _value(text, 'vllm:num_requests_running{model_name="smol"}') == 2
     assert _value(text, 'vllm:num_requests_waiting{model_name="smol"}') == 1
     assert _value(text, 'vllm:num_preemptions_total{model_name="smol"}') == 3
+    assert _value(text, 'vllm:spec_decode_num_drafts_total{model_name="smol"}') == 7
+    assert _value(text, 'vllm:spec_decode_num_draft_tokens_total{model_name="smol"}') == 20
+    assert _value(text, 'vllm:spec_decode_num_accepted_tokens_total{model_name="smol"}') == 9
+    per_pos = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="%d"}'
+    assert [_value(text, per_pos % i) for i in range(3)] == [6, 3, None]
     assert _value(text, 'llm_frontend_engine_metrics_up{model_name="smol"}') == 1
 
 

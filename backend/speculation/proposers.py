@@ -1,0 +1,80 @@
+"""Proposers: where draft tokens come from. One interface: up to k tokens per sequence, 0 allowed.
+
+Drafts are deterministic guesses. The verify step samples every position through the
+ordinary sampler and keeps a draft only when it equals the token sampled there, so a
+proposer decides how fast a sequence goes, never what it says.
+
+- `NgramProposer` (prompt lookup): the longest suffix of the sequence (prompt + output,
+  `min_n`..`max_n` tokens) that occurred earlier proposes what followed its latest
+  occurrence.
+- `PredictionProposer` (OpenAI's Predicted Outputs): the predicted text's tokens are the
+  source. The output's longest suffix found in the prediction, at or after where the
+  last draft left off, proposes what follows it there; with no output yet, the
+  prediction's start. A mismatch re-aligns by the same lookup, as prompt lookup does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
+        """Up to k draft tokens to follow `tokens` (prompt + output); `state`: the
+        sequence's SpecState, for a proposer that keeps its place."""
+
+
+def _occurrences(corpus: np.ndarray, tail: np.ndarray, limit: int) -> np.ndarray:
+    """Start positions i < limit where corpus[i : i + len(tail)] == tail."""
+    if limit <= 0:
+        return np.empty(0, dtype=np.int64)
+    match = np.ones(limit, dtype=bool)
+    for j, token in enumerate(tail):
+        match &= corpus[j : j + limit] == token
+    return np.flatnonzero(match)
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state=None) -> list[int]:
+        corpus = np.asarray(tokens, dtype=np.int64)
+        size = len(corpus)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            # an earlier occurrence, with at least one token after it
+            found = _occurrences(corpus, corpus[size - n :], size - n)
+            if len(found):
+                start = int(found[-1]) + n  # the latest occurrence: the nearest context
+                return corpus[start : start + k].tolist()
+        return []
+
+
+class PredictionProposer:
+    name = "prediction"
+
+    def __init__(self, min_n: int = 1, max_n: int = 8):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
+        prediction = state.prediction
+        output = np.asarray(tokens[num_prompt_tokens:], dtype=np.int64)
+        if not len(output):
+            state.prediction_pos = 0
+            return prediction[:k].tolist()
+        for n in range(min(self.max_n, len(output)), self.min_n - 1, -1):
+            found = _occurrences(prediction, output[len(output) - n :], len(prediction) - n + 1)
+            if len(found):
+                ends = found + n
+                ahead = ends[ends >= state.prediction_pos]  # keep the alignment moving forward
+                end = int(ahead[0] if len(ahead) else ends[-1])
+                state.prediction_pos = end  # moved on by what the verify step accepts
+                return prediction[end : end + k].tolist()
+        return []

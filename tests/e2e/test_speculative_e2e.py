@@ -1,0 +1,83 @@
+"""Speculative decoding through the real stack (SPECULATIVE=auto, the default): OpenAI's
+Predicted Outputs with the openai SDK on both endpoints, streamed and not; the usage
+counts; vLLM's spec_decode counters on /metrics; what a bad prediction gets."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = sum(values[:window])
+    averages.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        averages.append(total / window)
+    return averages
+'''
+EDIT = [{"role": "user", "content": "Rename `averages` to `means` in this code. Reply with the code only.\n\n"
+                                    f"```python\n{CODE}```"}]  # fmt: skip
+PREDICTION = {"type": "content", "content": f"```python\n{CODE}```"}
+
+
+def _spec_counters(stack) -> dict[str, float]:
+    page = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    found = re.findall(r"^vllm:spec_decode_(num_\w+?)_total\{([^}]*)\} (\S+)$", page, re.MULTILINE)
+    return {f"{name}{{{labels}}}": float(value) for name, labels, value in found}
+
+
+def test_a_predicted_edit_is_the_plain_answer_with_its_prediction_counted(client, model, stack):
+    before = _spec_counters(stack)
+    plain = client.chat.completions.create(model=model, messages=EDIT, temperature=0, max_completion_tokens=200,
+                                           extra_body={"disable_mtp": True})  # fmt: skip
+    predicted = client.chat.completions.create(model=model, messages=EDIT, temperature=0, max_completion_tokens=200,
+                                               prediction=PREDICTION)  # fmt: skip
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 20, "the model copies most of the code it was shown"
+    predicted_tokens = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    assert 100 < predicted_tokens < 200  # the prediction's length in tokens, ~150
+    plain_details = plain.usage.completion_tokens_details
+    assert (plain_details.accepted_prediction_tokens, plain_details.rejected_prediction_tokens) == (0, 0)
+    after = _spec_counters(stack)
+    grew = lambda name: after.get(name, 0) - before.get(name, 0)  # noqa: E731
+    model_label = f'model_name="{model}"'
+    assert grew(f"num_drafts{{{model_label}}}") > 0
+    accepted = grew(f"num_accepted_tokens{{{model_label}}}")
+    assert 0 < accepted <= grew(f"num_draft_tokens{{{model_label}}}")
+    per_pos = [grew(f'num_accepted_tokens_per_pos{{{model_label},position="{i}"}}') for i in range(4)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_a_streamed_completion_with_a_prediction_reports_it_in_the_usage_chunk(client, model):
+    prompt = f"# The same function, unchanged:\n{CODE}\n# Again:\n"
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=120, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"prediction": {"type": "content", "content": CODE}})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=120, temperature=0,
+                                      extra_body={"disable_mtp": True})  # fmt: skip
+    assert text == whole.choices[0].text
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    assert usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [CODE, {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+    ids=["a-bare-string", "an-image-part"],
+)
+def test_a_bad_prediction_is_a_400_naming_it(client, model, prediction):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=EDIT, max_completion_tokens=5, prediction=prediction)
+    assert caught.value.body["param"] == "prediction"
