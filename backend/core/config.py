@@ -21,6 +21,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     speculative: str = "auto"  # auto | off | ngram | draft | mtp (backend.speculation.speculator)
     spec_tokens: int = 4  # drafts per sequence and step at most
+    spec_draft_model: str | None = None  # a smaller model folder with the same tokenizer (SPECULATIVE=draft)
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -49,6 +50,7 @@ class EngineConfig:
             else:
                 setattr(cfg, attr, value)
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
+        cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None
         if env.get("ENABLE_PREFIX_CACHING"):
             cfg.enable_prefix_caching = env["ENABLE_PREFIX_CACHING"] not in ("0", "false", "no")
         return cfg

@@ -47,7 +47,7 @@ class LLMEngine:
         markers = Markers.for_model(self.settings.reasoning, self.tokenizer)
         tools = ToolGuards.for_model(self.settings.tools.call_tags, self.tokenizer)
         self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
-        self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len)
+        self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len, self.runner)
         self.scheduler = Scheduler(
             self.block_manager, self.guards, config.max_num_seqs, config.max_num_batched_tokens, self.speculator
         )
@@ -123,11 +123,14 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()  # drafting included: its cost is the step's
         if plan.is_empty:
             return self.scheduler.update(plan, None)
-        start = time.perf_counter()
-        outputs = self.scheduler.update(plan, self.runner.execute(plan.scheduled))
+        starts = [item.seq.num_computed_tokens for item in plan.scheduled]
+        result = self.runner.execute(plan.scheduled)
+        outputs = self.scheduler.update(plan, result)
+        self.speculator.keep_hidden(plan.scheduled, starts, result.hidden_states, result.query_start)
         self.speculator.observe(plan.num_tokens, time.perf_counter() - start)  # the cost model's evidence
         return outputs
 

@@ -141,20 +141,26 @@ class Scheduler:
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Drafts for the sequences that sample this step, from the budget the step left,
-        each where the block pool has room for them (a draft never preempts)."""
-        num_tokens, batch_size = out.num_tokens, len(out.scheduled)
-        for item in out.scheduled:
-            seq = item.seq
-            if budget <= 0:
-                return
-            if seq.spec is None or not item.completes:
-                continue
-            drafts = self.guards.valid_drafts(seq, self.speculator.propose(seq, budget, batch_size, num_tokens))
-            if drafts and self.block_manager.allocate_slots(seq, item.num_new_tokens + len(drafts)):
-                item.draft_tokens = drafts
-                item.num_new_tokens += len(drafts)
-                num_tokens += len(drafts)
-                budget -= len(drafts)
+        each where the block pool has room for them (a draft never preempts). Room is made
+        first, since a model proposer writes its own keys there; what a grammar refuses
+        is cut before the verify step."""
+        candidates = [item for item in out.scheduled if item.seq.spec is not None and item.completes]
+        if not candidates or budget <= 0:
+            return
+        limits = [self.speculator.limit(item.seq, budget) for item in candidates]
+        planned = self.speculator.plan([item.seq for item in candidates], limits, out.num_tokens, len(out.completing))
+        wants = []
+        for item, k in zip(candidates, planned, strict=True):
+            k = min(k, budget)
+            if k and self.block_manager.allocate_slots(item.seq, item.num_new_tokens + k):
+                wants.append((item, k))
+                budget -= k
+        if not wants:
+            return
+        proposed = self.speculator.propose([(item.seq, k) for item, k in wants])
+        for (item, _), drafts in zip(wants, proposed, strict=True):
+            item.draft_tokens = self.guards.valid_drafts(item.seq, drafts)
+            item.num_new_tokens += len(item.draft_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

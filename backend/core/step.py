@@ -60,3 +60,7 @@ class StepResult:
     first_rows: list[int] = field(default_factory=list)  # per completing sequence, in order
     # (sequence, first prompt position of the chunk, logprobs of prompt tokens start+1 ..)
     prompt_logprobs: list[tuple[Sequence, int, list[Logprob]]] = field(default_factory=list)
+    # the step's hidden states [T, hidden] (what lm_head reads; MTP drafts from them), and
+    # where each scheduled sequence's rows start (prefix sums of the query lengths)
+    hidden_states: Any = None
+    query_start: list[int] = field(default_factory=list)

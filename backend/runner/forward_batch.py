@@ -36,3 +36,45 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+
+@dataclass(slots=True)
+class Span:
+    """One sequence's part of a forward: `input_ids` at positions `start`.., their k/v
+    written through `block_table`; logits are wanted for its last `num_logits` tokens."""
+
+    input_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int = 0
+
+
+def build_forward_batch(spans: list[Span], block_size: int, device: torch.device) -> ForwardBatch:
+    """The flat batch of `spans`, in order (their logits rows too)."""
+    input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+    query_start, logits_indices = [0], []
+    for span in spans:
+        n, table = len(span.input_ids), span.block_table
+        input_ids.extend(span.input_ids)
+        positions.extend(range(span.start, span.start + n))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(span.start, span.start + n))
+        query_lens.append(n)
+        context_lens.append(span.start + n)
+        query_start.append(query_start[-1] + n)
+        logits_indices.extend(range(query_start[-1] - span.num_logits, query_start[-1]))
+    max_blocks = max(len(span.block_table) for span in spans)
+    tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
+
+    def as_tensor(values):
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=as_tensor(input_ids),
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        query_start=query_start,
+        block_tables=as_tensor(tables),
+        logits_indices=as_tensor(logits_indices),
+    )

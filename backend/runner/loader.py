@@ -11,14 +11,24 @@ import torch
 from safetensors import safe_open
 
 from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
+from backend.runner.models.mtp import MtpHead
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",  # Qwen2 plus MTP layers (backend/runner/models/mtp.py)
+)
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mimo": "MiMoForCausalLM",
 }
+_QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM")
+_MTP_PREFIX = "model.mtp_layers."
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -30,7 +40,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     model_type = raw.get("model_type", "")
     # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Mistral/Qwen3 put
     # `attention_bias` on all four projections.
-    qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
+    qwen2 = model_type in ("qwen2", "mimo") or arch in _QWEN2_LIKE
     attention_bias = qwen2 or bool(raw.get("attention_bias", False))
     return ModelConfig(
         architecture=arch,
@@ -51,13 +61,28 @@ def load_model_config(path: str | Path) -> ModelConfig:
         sliding_windows=_sliding_windows(raw, arch),
         eos_token_ids=_eos_token_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
     )
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The folder's model; its MTP layers, when the checkpoint ships them, in `model.mtp`."""
     folder = Path(path)
-    model = LlamaForCausalLM(load_model_config(folder), dtype, device)
-    model.load_weights(_iter_weights(_weight_files(folder)))
+    cfg = load_model_config(folder)
+    model = LlamaForCausalLM(cfg, dtype, device)
+    mtp_weights: list[tuple[str, torch.Tensor]] = []
+
+    def trunk():
+        for name, tensor in _iter_weights(_weight_files(folder)):
+            if cfg.num_mtp_layers and name.startswith(_MTP_PREFIX):
+                mtp_weights.append((name, tensor))
+            else:
+                yield name, tensor
+
+    model.load_weights(trunk())
+    if cfg.num_mtp_layers:
+        model.mtp = MtpHead(cfg, dtype, device)
+        model.mtp.load_weights(mtp_weights)
     return model.eval()
 
 
@@ -94,7 +119,7 @@ def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
 def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     # Qwen configs carry a sliding_window that is off unless use_sliding_window is set.
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    if arch in (*_QWEN2_LIKE, "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return ()

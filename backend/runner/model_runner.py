@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: builds the flat batch, forwards, samples.
 
 Owns the model weights and the KV cache tensors (one per layer,
-[2, num_blocks, block_size, num_kv_heads, head_dim]).
+[2, num_blocks, block_size, num_kv_heads, head_dim]), and the drafters of speculative
+decoding that have weights: the checkpoint's MTP layers, SPEC_DRAFT_MODEL's model.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from backend.core.config import EngineConfig
 from backend.core.step import ScheduledSeq, StepResult
-from backend.runner.forward_batch import ForwardBatch
+from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv_block_bytes
+from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.sampling import logprobs as lp
 from backend.sampling.sampler import SamplingRow, sample
@@ -44,61 +46,42 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model_path, self.dtype, self.device)
         self.model_config = self.model.config
+        self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
-        self.kv_caches = self._allocate_kv_caches()
-
-    def _block_bytes(self) -> int:
         mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, self.block_size)
+
+    def _load_draft(self, config: EngineConfig) -> DraftModelRunner | None:
+        if not config.spec_draft_model or config.speculative == "off":
+            return None
+        if config.speculative not in ("auto", "draft"):
+            raise ValueError(f"SPEC_DRAFT_MODEL is set, but SPECULATIVE={config.speculative} does not draft with it")
+        return DraftModelRunner(config.spec_draft_model, config.model_path, self.model_config, self.dtype, self.device)
 
     def _num_blocks_for(self, kv_cache_bytes: int) -> int:
-        per_block_all_layers = self._block_bytes() * self.model_config.num_layers
-        num_blocks = kv_cache_bytes // per_block_all_layers
+        """Blocks the pool holds: each block's keys in every layer, the MTP layers' and
+        the draft model's included."""
+        mc, bs = self.model_config, self.block_size
+        per_block = kv_block_bytes(mc, mc.num_layers + mc.num_mtp_layers, bs, self.dtype)
+        if self.draft is not None:
+            per_block += self.draft.block_bytes(bs, self.dtype)
+        num_blocks = kv_cache_bytes // per_block
         if num_blocks < 2:
             raise ValueError(f"KV cache of {kv_cache_bytes} bytes holds fewer than 2 blocks; raise KV_CACHE_MB")
         return int(num_blocks)
 
-    def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        mc = self.model_config
-        shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-
     def build_batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        bs = self.block_size
-        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        query_start, logits_indices = [0], []
+        spans = []
         for item in scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            table = seq.block_table
-            drafts = item.draft_tokens
-            input_ids.extend(seq.token_ids[start : start + n - len(drafts)])
-            input_ids.extend(drafts)  # speculative tokens sit after the sequence's own
-            span = range(start, start + n)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
-            if item.completes:  # the last real token's logits, then each draft's
-                end = query_start[-1]
-                logits_indices.extend(range(end - 1 - len(drafts), end))
-        max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
-
-        def as_tensor(values):
-            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
-            slot_mapping=as_tensor(slots),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            query_start=query_start,
-            block_tables=as_tensor(tables),
-            logits_indices=as_tensor(logits_indices),
-        )
+            seq, start, drafts = item.seq, item.seq.num_computed_tokens, item.draft_tokens
+            own = seq.token_ids[start : start + item.num_new_tokens - len(drafts)]
+            # speculative tokens sit after the sequence's own; a completing sequence wants
+            # the logits of its last real token, then each draft's
+            spans.append(Span(own + drafts, start, seq.block_table, 1 + len(drafts) if item.completes else 0))
+        return build_forward_batch(spans, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
@@ -115,7 +98,7 @@ class ModelRunner:
             if item.completes:
                 first_rows.append(row)
                 row += 1 + len(item.draft_tokens)
-        return StepResult(partial(_sample_rows, logits), first_rows, prompt_logprobs)
+        return StepResult(partial(_sample_rows, logits), first_rows, prompt_logprobs, hidden, batch.query_start)
 
 
 @torch.inference_mode()

@@ -1,60 +1,74 @@
-"""When a draft pays: a cost model fed by measured step times and each sequence's acceptance.
+"""When drafts pay: a cost model fed by measured step times and each sequence's acceptance.
 
-A step's time is fit online as T(n) = a + b n over its n query tokens (exponentially
-weighted least squares over every step the engine runs: prefill chunks and decodes give
-the spread of n a fit needs). A step of B sequences makes B tokens in T(n): T(n) / B a
-token. Drafting k more tokens costs about b k; the m-th draft of a sequence whose drafts
-are accepted at rate r adds r^m tokens on average. So a sequence drafts the largest k
-whose k-th draft still earns its cost: r^k >= b B / T(n). On this CPU one stream's step
-is bound by reading the weights, so b is small against T and even modest acceptance
-pays; at 32 busy streams b approaches T / n and only drafts that are nearly always
-accepted do. Until the fit has seen enough steps, b is taken as T / n: no drafts.
+The engine reports every step's query-token count n and its time (drafting included).
+`StepCost` keeps, per n, a running mean of the time: T(n) as this machine, this model
+and this load measure it. The table is not linear and is not assumed to be: on this
+CPU one stream's step is bound by reading the weights, so T(1)..T(5) are nearly
+equal, while at 16 streams GEMM blocking makes T jump at row counts such as 17 (one
+draft costing a tenth of the step). Between measured counts T is interpolated, past the
+largest extrapolated with the slope of the table's two largest counts; until two counts
+are known, no draft is made.
+
+A step's plan (`plan`): B sampling sequences make B tokens in T(n). The m-th draft of
+a sequence that accepts drafts at rate r adds r^m tokens on average. Taking the most
+promising drafts first, the plan adds the number d of drafts that maximises
+(B + the drafts' expected tokens) / T(n + d), and drafts nothing unless that beats
+B / T(n) by `_MARGIN`. So a busy batch, or answers the drafts rarely guess, get none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
-_DECAY = 0.98  # per observed step: the fit follows the machine as it warms up or gets busy
-_MIN_WEIGHT = 8.0  # steps' worth of evidence before the fit is trusted
+_DECAY = 0.95  # per observation of a count: the table follows the machine as it warms up or gets busy
+_MARGIN = 1.02  # drafting must promise this much more throughput than not drafting
 
 
 @dataclass(slots=True)
 class StepCost:
-    _w: float = 0.0
-    _n: float = 0.0
-    _nn: float = 0.0
-    _t: float = 0.0
-    _nt: float = 0.0
+    _counts: list[int] = field(default_factory=list)  # the measured n, sorted
+    _weight: dict[int, float] = field(default_factory=dict)
+    _mean: dict[int, float] = field(default_factory=dict)  # seconds
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        d = _DECAY
-        self._w = self._w * d + 1.0
-        self._n = self._n * d + num_tokens
-        self._nn = self._nn * d + num_tokens * num_tokens
-        self._t = self._t * d + seconds
-        self._nt = self._nt * d + num_tokens * seconds
+        """A step of `num_tokens` query tokens took `seconds`."""
+        if num_tokens not in self._weight:
+            bisect.insort(self._counts, num_tokens)
+            self._weight[num_tokens], self._mean[num_tokens] = 0.0, 0.0
+        weight = self._weight[num_tokens] * _DECAY + 1.0
+        self._weight[num_tokens] = weight
+        self._mean[num_tokens] += (seconds - self._mean[num_tokens]) / weight
 
-    def per_token(self, num_tokens: int) -> tuple[float, float]:
-        """(the time one more query token adds, the step's time) at `num_tokens`."""
-        mean_t = self._t / self._w if self._w else 0.0
-        mean_n = self._n / self._w if self._w else 1.0
-        spread = self._nn / self._w - mean_n * mean_n if self._w else 0.0
-        if self._w < _MIN_WEIGHT or spread <= 1e-9:
-            step = mean_t or 1.0
-            return step / max(num_tokens, 1), step  # no evidence of cheap extra tokens yet
-        slope = (self._nt / self._w - mean_n * mean_t) / spread
-        step = max(mean_t + slope * (num_tokens - mean_n), 1e-6)
-        return min(max(slope, 0.0), step / max(num_tokens, 1)), step
+    def time(self, num_tokens: int) -> float | None:
+        """T(num_tokens), measured or interpolated; None until two counts are measured."""
+        counts, mean = self._counts, self._mean
+        if len(counts) < 2:
+            return None
+        i = bisect.bisect_left(counts, num_tokens)
+        if i < len(counts) and counts[i] == num_tokens:
+            return mean[num_tokens]
+        if i == 0:
+            return mean[counts[0]]  # below the smallest: no cheaper than it
+        lo, hi = (counts[i - 1], counts[i]) if i < len(counts) else (counts[-2], counts[-1])
+        slope = max((mean[hi] - mean[lo]) / (hi - lo), 0.0)
+        return mean[lo] + slope * (num_tokens - lo)
 
-    def drafts_worth(self, acceptance: float, batch_size: int, num_tokens: int, max_k: int) -> int:
-        """How many drafts a sequence accepting at `acceptance` should make this step."""
-        extra, step = self.per_token(num_tokens)
-        threshold = extra * max(batch_size, 1) / step
-        k, earned = 0, 1.0
-        while k < max_k:
-            earned *= acceptance
-            if earned < threshold:
-                break
-            k += 1
-        return k
+    def plan(self, acceptances: list[float], limits: list[int], num_tokens: int, num_sampling: int) -> list[int]:
+        """Drafts per sequence for a step of `num_tokens` query tokens and `num_sampling`
+        sampling sequences; sequence i accepts at `acceptances[i]`, may draft `limits[i]`."""
+        drafts = [0] * len(limits)
+        base = self.time(num_tokens)
+        if base is None or not num_sampling:
+            return drafts
+        pairs = enumerate(zip(acceptances, limits, strict=True))
+        gains = sorted(((r**m, i) for i, (r, k) in pairs for m in range(1, k + 1)), reverse=True)
+        best, best_rate, earned = 0, num_sampling / base * _MARGIN, 0.0
+        for d, (gain, _) in enumerate(gains, 1):
+            earned += gain
+            rate = (num_sampling + earned) / max(self.time(num_tokens + d), 1e-9)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        for _, i in gains[:best]:
+            drafts[i] += 1
+        return drafts

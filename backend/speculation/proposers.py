@@ -1,4 +1,5 @@
-"""Proposers: where draft tokens come from. One interface: up to k tokens per sequence, 0 allowed.
+"""Proposers: where draft tokens come from. One interface: up to k tokens per sequence, 0 allowed,
+for all of a step's drafting sequences at once (a model proposer runs one batched forward).
 
 Drafts are deterministic guesses. The verify step samples every position through the
 ordinary sampler and keeps a draft only when it equals the token sampled there, so a
@@ -11,22 +12,39 @@ proposer decides how fast a sequence goes, never what it says.
   source. The output's longest suffix found in the prediction, at or after where the
   last draft left off, proposes what follows it there; with no output yet, the
   prediction's start. A mismatch re-aligns by the same lookup, as prompt lookup does.
+- `DraftModelProposer` and `MtpProposer` (backend.speculation.model_proposers): a small
+  model's, or the checkpoint's MTP layers', greedy continuation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+Want = tuple[Any, int]  # (a backend.core.sequence.Sequence, in seq.spec its SpecState; k)
 
 
 class Proposer(Protocol):
     name: str
 
-    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
+    def propose(self, wants: list[Want]) -> list[list[int]]:
+        """For each (sequence, k): up to k draft tokens to follow its tokens."""
+
+
+class TokenLookup:
+    """A proposer that looks each sequence's drafts up in tokens it already has."""
+
+    name = "lookup"
+
+    def propose(self, wants: list[Want]) -> list[list[int]]:
+        return [self.draft(seq.token_ids, seq.num_prompt_tokens, k, seq.spec) for seq, k in wants]
+
+    def draft(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
         """Up to k draft tokens to follow `tokens` (prompt + output); `state`: the
-        sequence's SpecState, for a proposer that keeps its place."""
+        sequence's SpecState, for a lookup that keeps its place."""
+        raise NotImplementedError
 
 
 def _occurrences(corpus: np.ndarray, tail: np.ndarray, limit: int) -> np.ndarray:
@@ -39,13 +57,13 @@ def _occurrences(corpus: np.ndarray, tail: np.ndarray, limit: int) -> np.ndarray
     return np.flatnonzero(match)
 
 
-class NgramProposer:
+class NgramProposer(TokenLookup):
     name = "ngram"
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state=None) -> list[int]:
+    def draft(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state=None) -> list[int]:
         corpus = np.asarray(tokens, dtype=np.int64)
         size = len(corpus)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
@@ -57,13 +75,13 @@ class NgramProposer:
         return []
 
 
-class PredictionProposer:
+class PredictionProposer(TokenLookup):
     name = "prediction"
 
     def __init__(self, min_n: int = 1, max_n: int = 8):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
+    def draft(self, tokens: Sequence[int], num_prompt_tokens: int, k: int, state) -> list[int]:
         prediction = state.prediction
         output = np.asarray(tokens[num_prompt_tokens:], dtype=np.int64)
         if not len(output):

@@ -1,30 +1,40 @@
 """Which sequences draft, how many tokens, and what their drafts earned.
 
-The scheduler asks `propose` for each decoding sequence of a step and reports back
+The scheduler asks `limit` and then `plan` how many tokens each sampling sequence of
+a step drafts, makes room for them, asks `propose` for them all at once, and reports back
 through `verified` what the verify step accepted; the engine feeds `observe` every
-step's size and time, for the cost model. A sequence's proposer is fixed at admission
-(`admit`): its prediction when the request gave one, else the mode's. `disable_mtp`
-(or SPECULATIVE=off) makes a sequence ineligible for its whole life: it gets no state,
-and nothing here ever sees it again.
+step's size and time, for the cost model, and `keep_hidden` its hidden states, for
+MTP. A sequence's proposer is fixed at admission (`admit`): its prediction when the
+request gave one, else the mode's. `disable_mtp` (or SPECULATIVE=off) makes a
+sequence ineligible for its whole life: it gets no state, and nothing here ever sees
+it again.
 
-Modes: `auto` drafts only as many tokens as the cost model says pay (backend.speculation.cost);
-`ngram`, `draft` and `mtp` always draft the most the limits allow. Either way a draft
-never runs past the request's max_tokens, the context, or the step's token budget.
+Modes: `auto` drafts only as many tokens as the cost model says pay (backend.speculation.cost),
+from SPEC_DRAFT_MODEL when one is set, else from the checkpoint's MTP layers when it
+has them, else by n-gram lookup; `ngram`, `draft` and `mtp` always draft the most the
+limits allow, from that proposer. Either way a draft never runs past the request's
+max_tokens, the context, or the step's token budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from backend.contract import GenerationRequest
 from backend.speculation.cost import StepCost
-from backend.speculation.proposers import NgramProposer, PredictionProposer, Proposer
+from backend.speculation.model_proposers import DraftModelProposer, MtpProposer
+from backend.speculation.proposers import NgramProposer, PredictionProposer, Proposer, Want
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
-_PRIOR = {"prediction": 0.6, "ngram": 0.3}  # acceptance assumed before a sequence's first verify
-_ALPHA = 0.2  # weight of each verified position in the running acceptance
+# a new sequence's acceptance is its proposer's rate over the sequences before it (weight
+# _RATE_ALPHA per verified position), starting from these priors
+_PRIOR = {"prediction": 0.6, "ngram": 0.3, "draft": 0.6, "mtp": 0.6}
+_ALPHA = 0.2  # weight of each verified position in a sequence's running acceptance
+_RATE_ALPHA = 0.05
+_PROBE_EVERY = 16  # in auto mode, a sequence the cost model stopped drafts one token this often
 
 
 @dataclass(slots=True)
@@ -38,6 +48,8 @@ class SpecState:
     num_drafted: int = 0
     num_accepted: int = 0  # drafts the verify step took (the bonus token excluded)
     num_prediction_matched: int = 0  # output tokens equal to the prediction where it was aligned
+    place: Any = None  # where a model proposer's own KV stands (backend.speculation.model_proposers)
+    idle_steps: int = 0  # sampling steps since its last draft (auto mode probes after _PROBE_EVERY)
 
 
 @dataclass(slots=True)
@@ -54,17 +66,31 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, mode: str, max_k: int, max_model_len: int):
+    def __init__(self, mode: str, max_k: int, max_model_len: int, runner=None):
+        """`runner`: the ModelRunner, whose drafters (MTP layers, draft model) propose."""
         if mode not in MODES:
             raise ValueError(f"SPECULATIVE={mode!r}: expected one of {', '.join(MODES)}")
-        if mode in ("draft", "mtp"):
-            raise ValueError(f"SPECULATIVE={mode}: this server cannot draft with {mode} yet")
         if max_k < 0:
             raise ValueError(f"SPEC_TOKENS={max_k}: must be 0 or more")
         self.mode, self.max_k, self.max_model_len = mode, max_k, max_model_len
         self.cost = StepCost()
         self.stats = SpecStats(accepted_per_pos=[0] * max_k)
         self._ngram, self._prediction = NgramProposer(), PredictionProposer()
+        self._default = self._default_proposer(mode, runner)
+        self._rates: dict[str, float] = {}  # each proposer's acceptance over all its sequences
+
+    def _default_proposer(self, mode: str, runner) -> Proposer:
+        """The proposer of a sequence without a prediction."""
+        draft, mtp = getattr(runner, "draft", None), getattr(runner, "mtp", None)
+        if mode == "draft" and draft is None:
+            raise ValueError("SPECULATIVE=draft needs SPEC_DRAFT_MODEL=/path/to/a smaller model, same tokenizer")
+        if mode == "mtp" and mtp is None:
+            raise ValueError("SPECULATIVE=mtp: this checkpoint ships no MTP layers (config num_nextn_predict_layers)")
+        if mode in ("auto", "draft") and draft is not None:
+            return DraftModelProposer(draft)
+        if mode in ("auto", "mtp") and mtp is not None:
+            return MtpProposer(mtp)
+        return self._ngram
 
     def admit(self, request: GenerationRequest) -> SpecState | None:
         """A new sequence's state, or None when it never speculates."""
@@ -72,26 +98,60 @@ class Speculator:
             return None
         if request.prediction_tokens:
             prediction = np.asarray(request.prediction_tokens, dtype=np.int64)
-            return SpecState(self._prediction, _PRIOR["prediction"], prediction)
-        return SpecState(self._ngram, _PRIOR["ngram"])
+            return SpecState(self._prediction, self._rate(self._prediction.name), prediction)
+        return SpecState(self._default, self._rate(self._default.name))
+
+    def _rate(self, name: str) -> float:
+        return self._rates.setdefault(name, _PRIOR.get(name, 0.3))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` query tokens took `seconds`."""
         self.cost.observe(num_tokens, seconds)
 
-    def propose(self, seq, budget: int, batch_size: int, num_tokens: int) -> list[int]:
-        """Drafts for a decoding sequence (its state in `seq.spec`), within `budget` more
-        query tokens, for a step of `batch_size` sequences and `num_tokens` tokens so far."""
-        state = seq.spec
-        params = seq.sampling
+    def limit(self, seq, budget: int) -> int:
+        """The most tokens a sampling sequence may draft: within `budget`, the request's
+        max_tokens and the context."""
         k = min(self.max_k, budget, self.max_model_len - seq.num_tokens - 1)
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - seq.num_output_tokens - 1)
-        if self.mode == "auto" and k > 0:
-            k = self.cost.drafts_worth(state.acceptance, batch_size, num_tokens + 1, k)
-        if k <= 0:
-            return []
-        return state.proposer.propose(seq.token_ids, seq.num_prompt_tokens, k, state)
+        if seq.sampling.max_tokens is not None:
+            k = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1)
+        return max(k, 0)
+
+    def plan(self, seqs: list, limits: list[int], num_tokens: int, num_sampling: int) -> list[int]:
+        """How many tokens each of a step's drafting sequences drafts (at most its limit),
+        for a step of `num_tokens` query tokens so far and `num_sampling` sampling sequences."""
+        if self.mode != "auto":
+            return list(limits)
+        ks = self.cost.plan([seq.spec.acceptance for seq in seqs], limits, num_tokens, num_sampling)
+        for i, seq in enumerate(seqs):
+            # a probe now and then: acceptance changes with the text (an answer that starts
+            # quoting), and only a verified draft can show it
+            state = seq.spec
+            state.idle_steps = 0 if ks[i] else state.idle_steps + 1
+            if state.idle_steps > _PROBE_EVERY and limits[i]:
+                ks[i], state.idle_steps = 1, 0
+        return ks
+
+    def propose(self, wants: list[Want]) -> list[list[int]]:
+        """Drafts for each (sequence, k), each proposer asked once for all its sequences."""
+        drafts: list[list[int]] = [[] for _ in wants]
+        by_proposer: dict[int, list[int]] = {}
+        for i, (seq, _) in enumerate(wants):
+            by_proposer.setdefault(id(seq.spec.proposer), []).append(i)
+        for indices in by_proposer.values():
+            proposer = wants[indices[0]][0].spec.proposer
+            for i, found in zip(indices, proposer.propose([wants[i] for i in indices]), strict=True):
+                drafts[i] = found[: wants[i][1]]
+        return drafts
+
+    def keep_hidden(self, scheduled, starts: list[int], hidden, query_start: list[int]) -> None:
+        """After a step: hand each MTP sequence the hidden states of the positions the
+        step committed (from `starts[i]`, its first position this step)."""
+        for i, (item, start) in enumerate(zip(scheduled, starts, strict=True)):
+            seq = item.seq
+            if seq.spec is None or seq.is_finished or not isinstance(seq.spec.proposer, MtpProposer):
+                continue
+            committed = seq.num_computed_tokens - start
+            seq.spec.proposer.keep(seq, start, hidden[query_start[i] : query_start[i] + committed])
 
     def verified(self, seq, drafts: list[int], accepted: int, emitted: list[int]) -> None:
         """The verify step took `accepted` of `drafts`; `emitted`: the tokens it appended."""
@@ -101,6 +161,8 @@ class Speculator:
         for i in range(min(len(drafts), accepted + 1)):  # positions seen: accepted, then the miss
             hit = 1.0 if i < accepted else 0.0
             state.acceptance += _ALPHA * (hit - state.acceptance)
+            name = state.proposer.name
+            self._rates[name] = self._rate(name) + _RATE_ALPHA * (hit - self._rate(name))
         stats.num_drafts += 1
         stats.num_draft_tokens += len(drafts)
         stats.num_accepted_tokens += accepted

@@ -72,6 +72,16 @@ def test_a_streamed_completion_with_a_prediction_reports_it_in_the_usage_chunk(c
     assert usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
+def test_n_choices_seeds_and_stop_strings_speculate_as_plain_decoding_does(client, model):
+    """Seeded sampling in two choices, each cut by a stop string inside an accepted run."""
+    kwargs = dict(model=model, messages=EDIT, max_completion_tokens=150, temperature=0.8, seed=11, n=2,
+                  stop=["return"])  # fmt: skip
+    plain = client.chat.completions.create(**kwargs, extra_body={"disable_mtp": True})
+    spec = client.chat.completions.create(**kwargs, prediction=PREDICTION)
+    assert [c.message.content for c in spec.choices] == [c.message.content for c in plain.choices]
+    assert [c.finish_reason for c in spec.choices] == [c.finish_reason for c in plain.choices] == ["stop", "stop"]
+
+
 @pytest.mark.parametrize(
     "prediction",
     [CODE, {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
@@ -81,3 +91,32 @@ def test_a_bad_prediction_is_a_400_naming_it(client, model, prediction):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model, messages=EDIT, max_completion_tokens=5, prediction=prediction)
     assert caught.value.body["param"] == "prediction"
+
+
+def test_a_draft_model_serves_through_the_stack(model_path):
+    """SPEC_DRAFT_MODEL as a user sets it (here the model itself, the one draft with its
+    tokenizer that guesses well): the same answers as without, drafts on /metrics."""
+    from launcher import Stack
+
+    env = {"SPECULATIVE": "draft", "SPEC_DRAFT_MODEL": str(model_path), "KV_CACHE_MB": "256"}
+    with Stack(model_path, env=env) as running:
+        client = openai.OpenAI(base_url=running.base_url, api_key="x", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one flows."}]
+        answers = [client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=48,
+                                                  extra_body=extra).choices[0].message.content
+                   for extra in ({"disable_mtp": True}, {})]  # fmt: skip
+        assert answers[0] == answers[1]
+        counters = _spec_counters(running)
+        assert counters[f'num_accepted_tokens{{model_name="{name}"}}'] > 10
+
+
+def test_a_draft_model_with_another_vocabulary_stops_the_server_at_start(model_path, tmp_path):
+    from launcher import TritonServer
+    from launcher.procs import StartupError
+    from tests.helpers.spec_models import build_mimo_model
+
+    other = build_mimo_model(tmp_path / "tiny-draft", mtp="random")  # 512 tokens
+    with pytest.raises(StartupError, match="SPEC_DRAFT_MODEL=tiny-draft: its vocabulary has 512 tokens"):
+        with TritonServer(model_path, env={"SPECULATIVE": "draft", "SPEC_DRAFT_MODEL": str(other)}):
+            pass

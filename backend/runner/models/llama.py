@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention
 from backend.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -50,6 +54,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means no window anywhere
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    num_mtp_layers: int = 0  # MiMo's model.mtp_layers (backend/runner/models/mtp.py)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -90,7 +95,7 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight_t.t(), bias)
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -102,17 +107,19 @@ class DecoderLayer(torch.nn.Module):
         self.eps, self.scale = cfg.rms_norm_eps, d**-0.5
         self.sliding_window = cfg.sliding_windows[index] if cfg.sliding_windows else None
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-        self.input_norm = _empty(h, dtype=dtype, device=device)
+        self.input_norm = empty_param(h, dtype=dtype, device=device)
         # Matmul weights (suffix _t) are stored [in, out]; see `linear`.
-        self.qkv_t = _empty(h, qkv_rows, dtype=dtype, device=device)
-        self.qkv_bias = _empty(qkv_rows, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.qkv_t = empty_param(h, qkv_rows, dtype=dtype, device=device)
+        self.qkv_bias = empty_param(qkv_rows, dtype=dtype, device=device) if cfg.attention_bias else None
         # Qwen3's q_norm and k_norm weights, one row per q head then per k head.
-        self.qk_norm = _empty(cfg.num_heads + cfg.num_kv_heads, d, dtype=dtype, device=device) if cfg.qk_norm else None
-        self.o_proj_t = _empty(cfg.num_heads * d, h, dtype=dtype, device=device)
-        self.o_bias = _empty(h, dtype=dtype, device=device) if cfg.o_proj_bias else None
-        self.post_norm = _empty(h, dtype=dtype, device=device)
-        self.gate_up_t = _empty(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
-        self.down_t = _empty(cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.qk_norm = (
+            empty_param(cfg.num_heads + cfg.num_kv_heads, d, dtype=dtype, device=device) if cfg.qk_norm else None
+        )
+        self.o_proj_t = empty_param(cfg.num_heads * d, h, dtype=dtype, device=device)
+        self.o_bias = empty_param(h, dtype=dtype, device=device) if cfg.o_proj_bias else None
+        self.post_norm = empty_param(h, dtype=dtype, device=device)
+        self.gate_up_t = empty_param(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
+        self.down_t = empty_param(cfg.intermediate_size, h, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
         # x: [T, hidden]
@@ -129,7 +136,7 @@ class DecoderLayer(torch.nn.Module):
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
         # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half is a
-        # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM._rotary).
+        # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM.rotary).
         qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -142,20 +149,23 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
-        self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head_t = _empty(cfg.hidden_size, cfg.vocab_size, dtype=dtype, device=device)
+        self.norm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head_t = empty_param(cfg.hidden_size, cfg.vocab_size, dtype=dtype, device=device)
         # Tied: the embedding table is lm_head_t's [vocab, hidden] view, not a copy.
         self.embed_tokens = (
-            None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            None
+            if cfg.tie_word_embeddings
+            else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their k/v into kv_caches."""
         table = self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
         x = F.embedding(batch.input_ids, table)  # [T, hidden]
-        rope = self._rotary(batch.positions, x.dtype)
+        rope = self.rotary(batch.positions, x.dtype)
         block_size = kv_caches[0].shape[2]
         plans = {
             w: build_attention_plan(batch, block_size, x.dtype, w, self.config.num_heads // self.config.num_kv_heads)
@@ -170,7 +180,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         return linear(hidden, self.lm_head_t).float()
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         # cos, sin: [T, 1, D], computed in float32 like transformers, then cast to the model dtype.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
@@ -181,27 +191,9 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors (name, tensor) into the fused parameters."""
-        targets = self._weight_targets()
-        loaded: set[tuple[str, int | None]] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                continue
-            if name not in targets:
-                raise ValueError(f"unexpected weight {name!r} in a {self.config.architecture} checkpoint")
-            param_name, rows = targets[name]
-            param = self.get_parameter(param_name)
-            # A checkpoint's [out, in] rows are the columns of our [in, out] _t weights.
-            dst, src = (param[:, rows], tensor.t()) if param_name.endswith("_t") else (param[rows], tensor)
-            # Qwen3's q_norm/k_norm [D] are broadcast over their head rows; every other
-            # tensor must have exactly its target's shape.
-            if src.shape != dst.shape and not param_name.endswith("qk_norm"):
-                raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)} does not fit {param_name}")
-            with torch.no_grad():
-                dst.copy_(src)
-            loaded.add((param_name, rows.start))
-        missing = [name for name, (param, rows) in targets.items() if (param, rows.start) not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+        tied = self.config.tie_word_embeddings
+        kept = ((n, t) for n, t in weights if not (n == "lm_head.weight" and tied))
+        copy_weights(self, self._weight_targets(), kept, self.config.architecture)
 
     def _weight_targets(self) -> dict[str, tuple[str, slice]]:
         """Checkpoint name -> (our parameter, the checkpoint rows' place in it)."""
@@ -212,13 +204,43 @@ class LlamaForCausalLM(torch.nn.Module):
         }
         if not tied:
             targets["lm_head.weight"] = ("lm_head_t", slice(None))
-        for suffix, (attr, rows) in _layer_targets(self.config).items():
+        for suffix, (attr, rows) in layer_targets(self.config).items():
             for i in range(self.config.num_layers):
                 targets[f"model.layers.{i}.{suffix}"] = (f"layers.{i}.{attr}", rows)
         return targets
 
 
-def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, slice]]:
+def copy_weights(
+    module: torch.nn.Module,
+    targets: dict[str, tuple[str, slice]],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    what: str,
+) -> None:
+    """Copy checkpoint tensors into `module`'s parameters by `targets` (checkpoint name ->
+    (parameter, the checkpoint rows' place in it)); every target must be filled."""
+    loaded: set[tuple[str, int | None]] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in targets:
+            raise ValueError(f"unexpected weight {name!r} in a {what} checkpoint")
+        param_name, rows = targets[name]
+        param = module.get_parameter(param_name)
+        # A checkpoint's [out, in] rows are the columns of our [in, out] _t weights.
+        dst, src = (param[:, rows], tensor.t()) if param_name.endswith("_t") else (param[rows], tensor)
+        # Qwen3's q_norm/k_norm [D] are broadcast over their head rows; every other
+        # tensor must have exactly its target's shape.
+        if src.shape != dst.shape and not param_name.endswith("qk_norm"):
+            raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)} does not fit {param_name}")
+        with torch.no_grad():
+            dst.copy_(src)
+        loaded.add((param_name, rows.start))
+    missing = [name for name, (param, rows) in targets.items() if (param, rows.start) not in loaded]
+    if missing:
+        raise ValueError(f"{what} checkpoint is missing weights: {missing[:8]}")
+
+
+def layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, slice]]:
     """Checkpoint name (after `model.layers.N.`) -> (our parameter, the rows' place in it)."""
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     targets = {

@@ -16,6 +16,7 @@ import torch
 from backend.contract import FinishReason, GenerationRequest, GuardParams, SamplingParams
 from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.speculation.proposers import TokenLookup
 from tests.helpers.engine_runs import run_to_completion
 
 QUESTIONS = [
@@ -137,7 +138,7 @@ def test_logprobs_are_those_of_plain_decoding(engine, prompts, reference):
 # -- proposers whose drafts are known -------------------------------------------------------
 
 
-class Replay:
+class Replay(TokenLookup):
     """Proposes the reference continuation, with the draft at `wrong_at` made wrong."""
 
     name = "replay"
@@ -145,7 +146,7 @@ class Replay:
     def __init__(self, reference: list[int], wrong_at: int | None = None):
         self.reference, self.wrong_at = reference, wrong_at
 
-    def propose(self, tokens, num_prompt_tokens, k, state):
+    def draft(self, tokens, num_prompt_tokens, k, state):
         done = len(tokens) - num_prompt_tokens
         drafts = self.reference[done : done + k]
         if self.wrong_at is not None and self.wrong_at < len(drafts):
@@ -283,8 +284,8 @@ def test_a_grammar_sees_only_valid_drafts_and_only_verified_tokens(engine, promp
     eos = engine.eos_token_ids[0]
 
     class EosSecond(Replay):
-        def propose(self, tokens, num_prompt_tokens, k, state):
-            drafts = super().propose(tokens, num_prompt_tokens, k, state)
+        def draft(self, tokens, num_prompt_tokens, k, state):
+            drafts = super().draft(tokens, num_prompt_tokens, k, state)
             return drafts[:1] + [eos] + drafts[2:] if len(drafts) > 1 else drafts
 
     with _watched(engine) as verified:
