@@ -120,3 +120,23 @@ def test_a_draft_model_with_another_vocabulary_stops_the_server_at_start(model_p
     with pytest.raises(StartupError, match="SPEC_DRAFT_MODEL=tiny-draft: its vocabulary has 512 tokens"):
         with TritonServer(model_path, env={"SPECULATIVE": "draft", "SPEC_DRAFT_MODEL": str(other)}):
             pass
+
+
+def test_a_checkpoint_with_mtp_layers_drafts_with_them_through_the_stack(model_path, tmp_path):
+    """MODEL=<a MiMo folder> SPECULATIVE=mtp: a tiny random MiMo checkpoint with the
+    default model's tokenizer, its MTP layer built to guess well (tests/helpers/spec_models.py).
+    (auto drafts with MTP too, when its cost model says it pays: tests/backend/speculation.)"""
+    from launcher import Stack
+    from tests.helpers.spec_models import build_mimo_model
+
+    mimo = build_mimo_model(tmp_path / "tiny-mimo", mtp="copy", tokenizer_from=model_path)
+    with Stack(mimo, env={"SPECULATIVE": "mtp", "KV_CACHE_MB": "64"}) as running:
+        client = openai.OpenAI(base_url=running.base_url, api_key="x", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Say something."}]
+        answers = [client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=40,
+                                                  extra_body=extra).choices[0].message.content
+                   for extra in ({"disable_mtp": True}, {})]  # fmt: skip
+        assert answers[0] == answers[1]
+        counters = _spec_counters(running)
+        assert counters[f'num_accepted_tokens{{model_name="{name}"}}'] > 10

@@ -49,12 +49,15 @@ def build_truncated_model(source: Path, dest: Path, num_layers: int) -> Path:
     return dest
 
 
-def build_mimo_model(dest: Path, mtp: str = "copy", seed: int = 0) -> Path:
+def build_mimo_model(dest: Path, mtp: str = "copy", seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """`tokenizer_from`: a model folder whose tokenizer (and chat template) the checkpoint
+    takes, with a vocabulary to match, so that a server can run it; else 512 tokens, no tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    vocab_size = json.loads((Path(tokenizer_from) / "config.json").read_text())["vocab_size"] if tokenizer_from else 512
     config = Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
         eos_token_id=None, bos_token_id=None,
     )  # fmt: skip
@@ -73,6 +76,9 @@ def build_mimo_model(dest: Path, mtp: str = "copy", seed: int = 0) -> Path:
     raw = config.to_dict()
     raw |= {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "num_nextn_predict_layers": 1}
     (dest / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in _TOKENIZER_FILES if tokenizer_from else ():
+        if name != "generation_config.json" and (Path(tokenizer_from) / name).exists():
+            shutil.copy(Path(tokenizer_from) / name, dest / name)
     return dest
 
 
