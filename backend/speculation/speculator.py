@@ -146,6 +146,8 @@ class Speculator:
     def keep_hidden(self, scheduled, starts: list[int], hidden, query_start: list[int]) -> None:
         """After a step: hand each MTP sequence the hidden states of the positions the
         step committed (from `starts[i]`, its first position this step)."""
+        if not isinstance(self._default, MtpProposer):
+            return  # no sequence drafts with MTP: nothing to keep, every step
         for i, (item, start) in enumerate(zip(scheduled, starts, strict=True)):
             seq = item.seq
             if seq.spec is None or seq.is_finished or not isinstance(seq.spec.proposer, MtpProposer):

@@ -96,19 +96,9 @@ def test_a_bad_prediction_is_a_400_naming_it(client, model, prediction):
 def test_a_draft_model_serves_through_the_stack(model_path):
     """SPEC_DRAFT_MODEL as a user sets it (here the model itself, the one draft with its
     tokenizer that guesses well): the same answers as without, drafts on /metrics."""
-    from launcher import Stack
-
     env = {"SPECULATIVE": "draft", "SPEC_DRAFT_MODEL": str(model_path), "KV_CACHE_MB": "256"}
-    with Stack(model_path, env=env) as running:
-        client = openai.OpenAI(base_url=running.base_url, api_key="x", max_retries=0, timeout=300)
-        name = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one flows."}]
-        answers = [client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=48,
-                                                  extra_body=extra).choices[0].message.content
-                   for extra in ({"disable_mtp": True}, {})]  # fmt: skip
-        assert answers[0] == answers[1]
-        counters = _spec_counters(running)
-        assert counters[f'num_accepted_tokens{{model_name="{name}"}}'] > 10
+    content = "Name three rivers of Europe and say where each one flows."
+    assert _accepted_by_a_stack_that_answers_as_plain_decoding(model_path, env, content, 48) > 10
 
 
 def test_a_draft_model_with_another_vocabulary_stops_the_server_at_start(model_path, tmp_path):
@@ -126,17 +116,25 @@ def test_a_checkpoint_with_mtp_layers_drafts_with_them_through_the_stack(model_p
     """MODEL=<a MiMo folder> SPECULATIVE=mtp: a tiny random MiMo checkpoint with the
     default model's tokenizer, its MTP layer built to guess well (tests/helpers/spec_models.py).
     (auto drafts with MTP too, when its cost model says it pays: tests/backend/speculation.)"""
-    from launcher import Stack
     from tests.helpers.spec_models import build_mimo_model
 
     mimo = build_mimo_model(tmp_path / "tiny-mimo", mtp="copy", tokenizer_from=model_path)
-    with Stack(mimo, env={"SPECULATIVE": "mtp", "KV_CACHE_MB": "64"}) as running:
+    env = {"SPECULATIVE": "mtp", "KV_CACHE_MB": "64"}
+    assert _accepted_by_a_stack_that_answers_as_plain_decoding(mimo, env, "Say something.", 40) > 10
+
+
+def _accepted_by_a_stack_that_answers_as_plain_decoding(model_path, env, content: str, max_tokens: int) -> float:
+    """Start a stack on `model_path` with `env`; ask one chat question greedily with and
+    without `disable_mtp`, assert the answers are equal, and return the accepted draft
+    tokens on its /metrics."""
+    from launcher import Stack
+
+    with Stack(model_path, env=env) as running:
         client = openai.OpenAI(base_url=running.base_url, api_key="x", max_retries=0, timeout=300)
         name = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "Say something."}]
-        answers = [client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=40,
+        messages = [{"role": "user", "content": content}]
+        answers = [client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=max_tokens,
                                                   extra_body=extra).choices[0].message.content
                    for extra in ({"disable_mtp": True}, {})]  # fmt: skip
         assert answers[0] == answers[1]
-        counters = _spec_counters(running)
-        assert counters[f'num_accepted_tokens{{model_name="{name}"}}'] > 10
+        return _spec_counters(running)[f'num_accepted_tokens{{model_name="{name}"}}']
