@@ -1,5 +1,5 @@
-"""The FastAPI app: the routes (api/routes.py), the gate in front of /v1/ (operations/gate.py),
-and the one Triton client all requests share."""
+"""The FastAPI app: the routes (api/routes.py, api/lora.py), the gate in front of /v1/
+(operations/gate.py), and the one Triton client all requests share."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from openai_frontend.api import lora
 from openai_frontend.api.errors import install_handlers
 from openai_frontend.api.routes import router
 from openai_frontend.api.serving import Serving
@@ -34,8 +35,9 @@ class Settings:
 
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
     """The app; its lifespan opens the one Triton client all requests share and asks the
-    running model for its facts (again on the first request, if Triton was not up). API
-    keys and limits come from the environment (operations/auth.py, limits.py)."""
+    running model for its facts and its LoRA adapters (again on the first request that
+    needs them, if Triton was not up). API keys, limits and who may manage adapters come
+    from the environment (operations/auth.py, limits.py, api/lora.py)."""
     dump_dir = None
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
@@ -51,6 +53,10 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
         except Exception as exc:  # noqa: BLE001 - asked again by the first request
             log.warning("the model's facts are not available yet: %s", exc)
         try:
+            await serving.adapters.known(serving.engine)
+        except Exception as exc:  # noqa: BLE001 - asked again by the first request naming one
+            log.warning("the model's adapters are not known yet: %s", exc)
+        try:
             yield
         finally:
             await serving.engine.close()
@@ -59,14 +65,18 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     app = FastAPI(title="LLM serving: OpenAI-compatible frontend", lifespan=lifespan)
     keys = KeyRing.from_env(os.environ)
     limits = Limits(LimitSettings.from_env(os.environ))
+    lora_admin = lora.LoraAdmin.from_env(os.environ, keys)
     log.info("API keys: %s; limits: %s", "none (open server)" if keys.open else "required", limits.settings)
+    log.info("runtime LoRA management: %s", lora_admin)
 
     def count_error(status: int) -> None:
         serving.metrics.errors[status] += 1
 
     app.state.serving = serving
     app.state.limits = limits
+    app.state.lora_admin = lora_admin
     install_handlers(app, on_error=count_error)
     app.include_router(router)
+    app.include_router(lora.router)
     app.add_middleware(Gate, keys=keys, limits=limits, on_error=count_error)
     return app

@@ -5,6 +5,7 @@
 - `events`: `RequestOutput`, `FinalEvent`, `Logprob`, `FinishReason`, `FinishGuard`:
   what the engine sends back, read as is by the frontend.
 - `model_info`: `ModelInfo`, the running model's facts the frontend asks for.
+- `adapters`: `AdapterCommand` and `AdapterTable`, managing LoRA adapters; what `adapter_slot` means.
 - `errors`: `ContractError` and `ErrorReport`, errors as data on the wire.
 - `tensors`: the named tensors and config.pbtxt; `wire`: encoding and decoding.
 
@@ -13,16 +14,28 @@ Imports numpy only (no torch), so both processes import it.
 
 import signal
 
+from backend.contract.adapters import (
+    BASE_SLOT,
+    FOLLOW_ACTIVE,
+    AdapterCommand,
+    AdapterInfo,
+    AdapterNotFound,
+    AdapterTable,
+)
 from backend.contract.errors import ContractError, EngineUnavailable, ErrorKind, ErrorReport
 from backend.contract.events import FinalEvent, FinishGuard, FinishReason, Logprob, RequestOutput
 from backend.contract.model_info import ModelInfo
 from backend.contract.request import DEFAULT_DRY_BREAKERS, GenerationRequest, GuardParams, SamplingParams
 from backend.contract.tensors import INPUTS, INPUTS_BY_NAME, MODEL_NAME, OUTPUTS, render_config_pbtxt
 from backend.contract.wire import (
+    adapter_command,
     apply_inputs,
+    decode_adapter_command,
+    decode_adapter_table,
     decode_model_info,
     decode_output,
     decode_request,
+    encode_adapter_table,
     encode_model_info,
     encode_output,
     encode_request,
@@ -36,6 +49,16 @@ from backend.contract.wire import (
 DRAIN_SIGNAL = signal.SIGUSR1
 
 __all__ = [
+    "BASE_SLOT",
+    "FOLLOW_ACTIVE",
+    "AdapterCommand",
+    "AdapterInfo",
+    "AdapterNotFound",
+    "AdapterTable",
+    "adapter_command",
+    "decode_adapter_command",
+    "decode_adapter_table",
+    "encode_adapter_table",
     "DEFAULT_DRY_BREAKERS",
     "DRAIN_SIGNAL",
     "INPUTS",

@@ -29,6 +29,7 @@ class EngineUnavailable(RuntimeError):
 class ErrorKind(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # the client's fault: `field` says where
     UNAVAILABLE = "unavailable"  # retry later
+    NOT_FOUND = "not_found"  # what it names (an adapter) is not there: `field` says which input
     INTERNAL = "internal"  # the model failed
 
 
@@ -41,7 +42,8 @@ class ErrorReport:
     @classmethod
     def of(cls, error: BaseException) -> ErrorReport:
         if isinstance(error, ContractError):
-            return cls(ErrorKind.INVALID_REQUEST, str(error), error.field)
+            kind = ErrorKind.NOT_FOUND if getattr(error, "not_found", False) else ErrorKind.INVALID_REQUEST
+            return cls(kind, str(error), error.field)
         if isinstance(error, EngineUnavailable):
             return cls(ErrorKind.UNAVAILABLE, str(error))
         return cls(ErrorKind.INTERNAL, str(error) or type(error).__name__)

@@ -27,7 +27,6 @@ MAX_TOP_LOGPROBS = 20
 _BEAMS = "translation with beam search"
 UNBUILT: dict[str, str] = {
     "session_hash": "prefix-aware routing",
-    "adapter_slot": "LoRA adapters",
     "src_lang_id": _BEAMS,
     "tgt_lang_id": _BEAMS,
     "num_beams": _BEAMS,
@@ -181,9 +180,10 @@ class GenerationRequest:
     stream: bool = False  # False: the model sends one response at the end
     disable_mtp: bool = False  # never draft for this request (every proposer)
     prediction_tokens: tuple[int, ...] = ()  # OpenAI's Predicted Outputs: the expected output, tokenized
+    # the LoRA adapter (backend.contract.adapters): 0 none, N the adapter in slot N, -1 the active one
+    adapter_slot: int = 0
     # not built yet (UNBUILT): refused unless at the default
     session_hash: str = ""
-    adapter_slot: int = 0
     src_lang_id: int = 0
     tgt_lang_id: int = 0
     num_beams: int = 1
@@ -222,6 +222,11 @@ class GenerationRequest:
             room is None or len(self.prediction_tokens) <= room,
             f"the prediction has {len(self.prediction_tokens)} tokens; this model's context leaves {room} "
             "for the output",
+        )
+        yield (
+            "adapter_slot",
+            self.adapter_slot >= -1,
+            "must be 0 (the base model), an adapter's slot, or -1 (the active adapter)",
         )
         for name, feature in UNBUILT.items():
             default = _DEFAULTS[name]

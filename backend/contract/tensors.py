@@ -76,9 +76,9 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("grammar_spec", "bytes"),
     TensorSpec("disable_mtp", "bool"),
     TensorSpec("prediction_tokens", "int32", LIST),
+    TensorSpec("adapter_slot", "int32"),  # backend.contract.adapters: 0 base, N an adapter, -1 the active one
     # not built yet (request.UNBUILT): refused unless at the default
     TensorSpec("session_hash", "bytes"),
-    TensorSpec("adapter_slot", "int32"),
     TensorSpec("src_lang_id", "int32"),
     TensorSpec("tgt_lang_id", "int32"),
     TensorSpec("num_beams", "int32"),
@@ -123,7 +123,9 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
 )
 # A query, not a request: the model answers it with one response holding its ModelInfo.
 MODEL_INFO_QUERY = TensorSpec("model_info", "bool")
-INPUTS: tuple[TensorSpec, ...] = (*REQUEST_INPUTS, MODEL_INFO_QUERY)
+# A command, not a request: an AdapterCommand as JSON, answered with the AdapterTable.
+ADAPTER_COMMAND = TensorSpec("adapter_command", "bytes")
+INPUTS: tuple[TensorSpec, ...] = (*REQUEST_INPUTS, MODEL_INFO_QUERY, ADAPTER_COMMAND)
 
 OUTPUTS: tuple[TensorSpec, ...] = (
     # RequestOutput: the tokens generated since the previous response (one or more)
@@ -152,6 +154,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("queue_time_s", "float64"),
     # the answer to a model-info query: ModelInfo as JSON
     TensorSpec("model_info", "bytes"),
+    # the answer to an adapter command: AdapterTable as JSON
+    TensorSpec("adapters", "bytes"),
 )
 
 INPUTS_BY_NAME = {s.name: s for s in INPUTS}

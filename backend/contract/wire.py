@@ -16,11 +16,19 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract.adapters import AdapterCommand, AdapterTable
 from backend.contract.errors import ContractError
 from backend.contract.events import FinalEvent, FinishGuard, FinishReason, Logprob, RequestOutput
 from backend.contract.model_info import ModelInfo
 from backend.contract.request import GenerationRequest, GuardParams, SamplingParams
-from backend.contract.tensors import INPUTS_BY_NAME, MODEL_INFO_QUERY, OUTPUTS_BY_NAME, REQUEST_INPUTS, TensorSpec
+from backend.contract.tensors import (
+    ADAPTER_COMMAND,
+    INPUTS_BY_NAME,
+    MODEL_INFO_QUERY,
+    OUTPUTS_BY_NAME,
+    REQUEST_INPUTS,
+    TensorSpec,
+)
 
 Arrays = Mapping[str, np.ndarray | None]
 _PARTS = {"": GenerationRequest, "sampling": SamplingParams, "guards": GuardParams}
@@ -79,7 +87,7 @@ def apply_inputs(request: GenerationRequest, values: Mapping[str, Any]) -> None:
     of the wrong type."""
     for name, value in values.items():
         spec = INPUTS_BY_NAME.get(name)
-        if spec is None or spec is MODEL_INFO_QUERY:
+        if spec is None or spec in (MODEL_INFO_QUERY, ADAPTER_COMMAND):
             raise ContractError(name, "is not a field of a generation request")
         if value is not None:
             setattr(_holder(request, spec), name, _coerce(spec, value))
@@ -258,3 +266,32 @@ def decode_model_info(arrays: Arrays) -> ModelInfo:
     if array is None:
         raise ContractError("model_info", "the answer to a model-info query carries no model_info")
     return ModelInfo.decode(bytes(array.reshape(-1)[0]).decode())
+
+
+# -- adapter commands ------------------------------------------------------------------
+
+
+def adapter_command(command: AdapterCommand) -> dict[str, np.ndarray]:
+    return {ADAPTER_COMMAND.name: np.array([command.encode().encode()], dtype=np.object_)}
+
+
+def decode_adapter_command(arrays: Arrays) -> AdapterCommand | None:
+    """The adapter command in `arrays` (None: they are not one); ContractError if they
+    mix one with other inputs, or it is malformed."""
+    array = arrays.get(ADAPTER_COMMAND.name)
+    if array is None:
+        return None
+    if any(name != ADAPTER_COMMAND.name and value is not None for name, value in arrays.items()):
+        raise ContractError(ADAPTER_COMMAND.name, "an adapter command takes no other input")
+    return AdapterCommand.decode(bytes(array.reshape(-1)[0]).decode())
+
+
+def encode_adapter_table(table: AdapterTable) -> dict[str, np.ndarray]:
+    return {"adapters": _output("adapters", [table.encode().encode()])}
+
+
+def decode_adapter_table(arrays: Arrays) -> AdapterTable:
+    array = arrays.get("adapters")
+    if array is None:
+        raise ContractError("adapters", "the answer to an adapter command carries no adapters")
+    return AdapterTable.decode(bytes(array.reshape(-1)[0]).decode())

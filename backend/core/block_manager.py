@@ -1,9 +1,10 @@
 """The KV block pool, block tables and the prefix cache: the scheduler's only door to memory.
 
 Blocks hold `block_size` tokens. A full block gets a chain hash over its parent's
-hash, the tenant, the adapter and its tokens, so a block is reused only by a
-sequence with the very same history under the same tenant and adapter: one tenant
-never reads another's cached prefix. The hash is SHA-256 (truncated), so a caller
+hash, the tenant, the adapter *version* and its tokens, so a block is reused only by a
+sequence with the very same history under the same tenant and adapter weights: one
+tenant never reads another's cached prefix, one adapter never another's, and an
+adapter loaded again (a new version) never its former version's. The hash is SHA-256 (truncated), so a caller
 cannot craft a collision into another tenant's blocks.
 
 Free blocks wait in one LRU queue, cached or not. Allocation takes from the front;
@@ -39,8 +40,8 @@ class KVEvent:
     block_hash: bytes
 
 
-def _root_hash(tenant: str, adapter: int) -> bytes:
-    return hashlib.sha256(f"root\0{tenant}\0{adapter}".encode()).digest()[:16]
+def _root_hash(tenant: str, adapter_version: int) -> bytes:
+    return hashlib.sha256(f"root\0{tenant}\0{adapter_version}".encode()).digest()[:16]
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -79,7 +80,7 @@ class BlockManager:
         parent = (
             seq.block_hashes[-1]
             if seq.block_hashes
-            else _root_hash(seq.request.lookup_tenant, seq.request.adapter_slot)
+            else _root_hash(seq.request.lookup_tenant, seq.adapter.version if seq.adapter is not None else 0)
         )
         bs = self.block_size
         for i in range(len(seq.block_hashes), upto_tokens // bs):

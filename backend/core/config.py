@@ -22,6 +22,14 @@ class EngineConfig:
     speculative: str = "auto"  # auto | off | ngram | draft | mtp (backend.speculation.speculator)
     spec_tokens: int = 4  # drafts per sequence and step at most
     spec_draft_model: str | None = None  # a smaller model folder with the same tokenizer (SPECULATIVE=draft)
+    # LoRA (backend.lora): adapters in one step at most (0: none served), their largest
+    # rank, versions kept in host memory (None: max_loras), `name=path,...` loaded at
+    # start, and the adapter adapter_slot -1 follows
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    lora_modules: str = ""
+    active_lora: str = ""
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -41,6 +49,9 @@ class EngineConfig:
             ("MAX_MODEL_LEN", "max_model_len"),
             ("NUM_THREADS", "num_threads"),
             ("SPEC_TOKENS", "spec_tokens"),
+            ("MAX_LORAS", "max_loras"),
+            ("MAX_LORA_RANK", "max_lora_rank"),
+            ("MAX_CPU_LORAS", "max_cpu_loras"),
         ):
             value = opt_int(name)
             if value is None:
@@ -51,6 +62,8 @@ class EngineConfig:
                 setattr(cfg, attr, value)
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
         cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None
+        cfg.lora_modules = env.get("LORA_MODULES", "").strip()
+        cfg.active_lora = env.get("ACTIVE_LORA", "").strip()
         if env.get("ENABLE_PREFIX_CACHING"):
             cfg.enable_prefix_caching = env["ENABLE_PREFIX_CACHING"] not in ("0", "false", "no")
         return cfg

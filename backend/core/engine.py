@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from backend.contract import ContractError, GenerationRequest, ModelInfo, RequestOutput
 from backend.core.block_manager import BlockManager
@@ -19,12 +20,24 @@ from backend.core.sequence import Sequence
 from backend.guards.policy import Guards
 from backend.guards.thinking import Markers
 from backend.guards.tools import ToolGuards
+from backend.lora.peft_format import LoraWeights
+from backend.lora.registry import AdapterRegistry, AdapterVersion
 from backend.runner.model_runner import ModelRunner
 from backend.sampling.grammar import CompiledGrammar
 from backend.sampling.grammar_compiler import GrammarCompiler
 from backend.sampling.vocab import Vocabulary, load_tokenizer
 from backend.settings.model_settings import ModelSettings
 from backend.speculation.speculator import SpecStats, Speculator
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What `prepare` made of a request, on its own thread: its grammar, and the adapter
+    version its adapter_slot resolved to (pinned for its life) with that version's weights."""
+
+    grammar: CompiledGrammar | None = None
+    adapter: AdapterVersion | None = None
+    adapter_weights: LoraWeights | None = None
 
 
 class LLMEngine:
@@ -48,9 +61,16 @@ class LLMEngine:
         tools = ToolGuards.for_model(self.settings.tools.call_tags, self.tokenizer)
         self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
         self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len, self.runner)
+        self.adapters = AdapterRegistry.for_engine(config, mc)  # None: MAX_LORAS=0, no adapters
         self.scheduler = Scheduler(
-            self.block_manager, self.guards, config.max_num_seqs, config.max_num_batched_tokens, self.speculator
+            self.block_manager,
+            self.guards,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.speculator,
+            self.runner.lora,
         )
+        self._lora_counts: dict[str, tuple[int, int]] = {}  # lora_requests' names so far
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request
         self._grammars_lock = threading.Lock()
 
@@ -71,14 +91,22 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------
 
-    def prepare(self, request: GenerationRequest) -> CompiledGrammar | None:
+    def prepare(self, request: GenerationRequest) -> Prepared:
         """What a request needs before `add_request` that may run on any thread: its
-        grammar, compiled (or taken from the cache). The Triton model calls it on the
-        request's own thread, so a slow compilation never stalls the running batch.
-        Raises ContractError naming grammar_kind / grammar_spec."""
-        if not request.grammar_kind:
-            return None
-        return self.grammar_compiler().compile(request.grammar_kind, request.grammar_spec)
+        grammar, compiled (or taken from the cache), and its adapter, resolved and its
+        weights at hand. The Triton model calls it on the request's own thread, so a slow
+        compilation or an adapter read from disk never stalls the running batch.
+        Raises ContractError naming grammar_kind / grammar_spec / adapter_slot."""
+        grammar = None
+        if request.grammar_kind:
+            grammar = self.grammar_compiler().compile(request.grammar_kind, request.grammar_spec)
+        if not request.adapter_slot:
+            return Prepared(grammar)
+        if self.adapters is None:
+            raise ContractError("adapter_slot", "this server serves no LoRA adapters (MAX_LORAS=0)")
+        adapter = self.adapters.resolve(request.adapter_slot)
+        weights = self.adapters.weights(adapter) if adapter is not None else None
+        return Prepared(grammar, adapter, weights)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler (and its cache of compiled grammars); thread-safe."""
@@ -94,15 +122,16 @@ class LLMEngine:
         request_id: str,
         request: GenerationRequest,
         arrival_time: float | None = None,
-        grammar: CompiledGrammar | None = None,
+        prepared: Prepared | None = None,
     ) -> None:
         """Queue a validated request (`GenerationRequest.validate`, with this model's
-        vocabulary and context); `grammar`: its prepared grammar, else it is prepared here.
-        Raises ContractError naming the field for what only the engine can judge."""
-        if grammar is None:
-            grammar = self.prepare(request)
+        vocabulary and context); `prepared`: what `prepare` made of it, else it is prepared
+        here. Raises ContractError naming the field for what only the engine can judge."""
+        if prepared is None:
+            prepared = self.prepare(request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence.of(request_id, request, arrival, self.guards.admit(request, arrival, grammar))
+        seq = Sequence.of(request_id, request, arrival, self.guards.admit(request, arrival, prepared.grammar))
+        seq.adapter, seq.adapter_weights = prepared.adapter, prepared.adapter_weights
         params = request.sampling
         if params.dry_multiplier and self.vocab is not None:
             seq.dry_breaker_ids = self.vocab.ids_containing(params.dry_sequence_breakers)
@@ -153,6 +182,24 @@ class LLMEngine:
     def num_running(self) -> int:
         """Sequences admitted to the batch (vLLM's num_requests_running)."""
         return len(self.scheduler.running)
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters one step may use; 0 when the server serves none."""
+        return self.config.max_loras if self.adapters is not None else 0
+
+    def lora_requests(self) -> dict[str, tuple[int, int]]:
+        """(running, waiting) sequences per adapter name, for every name seen since start
+        (vLLM's lora_requests_info reads the names with a count above 0)."""
+        counts = self._lora_counts
+        for name in counts:
+            counts[name] = (0, 0)
+        for queue, place in ((self.scheduler.running, 0), (self.scheduler.waiting, 1)):
+            for seq in queue:
+                if seq.adapter is not None:
+                    running, waiting = counts.get(seq.adapter.name, (0, 0))
+                    counts[seq.adapter.name] = (running + (place == 0), waiting + (place == 1))
+        return dict(counts)
 
     def num_waiting(self) -> int:
         """Sequences queued for admission, preempted ones included (num_requests_waiting)."""

@@ -21,6 +21,7 @@ from backend.core.outputs import final_event, token_output
 from backend.core.sequence import Sequence, SequenceStatus
 from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
 from backend.guards.policy import Guards, finish_reason
+from backend.lora.lanes import LoraLanes
 from backend.speculation.speculator import Speculator
 
 
@@ -32,8 +33,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         speculator: Speculator | None = None,
+        lora: LoraLanes | None = None,
     ):
         self.block_manager = block_manager
+        self.lora = lora  # the adapters' lanes: a sequence with an adapter runs only while it holds one
         self.guards = guards
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
@@ -78,6 +81,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._drop_lane(seq)
         self.block_manager.free(seq)
         del self.requests[seq.request_id]
 
@@ -120,14 +124,21 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit in arrival order; a sequence whose adapter finds no free lane waits
+        (later ones may pass it), one that finds no blocks stops the admissions."""
         bm = self.block_manager
+        passed: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._take_lane(seq):
+                passed.append(self.waiting.popleft())
+                continue
             # prompt logprobs need every prompt position computed: no prefix hits
             hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
             num_hit_tokens = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_hit_tokens, budget)
             if not bm.allocate_slots(seq, num_new, hits):
+                self._drop_lane(seq)
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_hit_tokens
@@ -137,7 +148,20 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
         return budget
+
+    def _take_lane(self, seq: Sequence) -> bool:
+        """Whether the sequence can run: no adapter, or its version placed in a lane."""
+        if seq.adapter is None or seq.lora_lane is not None:
+            return True
+        seq.lora_lane = self.lora.acquire(seq.adapter, seq.adapter_weights)
+        return seq.lora_lane is not None
+
+    def _drop_lane(self, seq: Sequence) -> None:
+        if seq.lora_lane is not None:
+            self.lora.release(seq.lora_lane)
+            seq.lora_lane = None
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Drafts for the sequences that sample this step, from the budget the step left,
@@ -163,6 +187,7 @@ class Scheduler:
             item.num_new_tokens += len(item.draft_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_lane(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

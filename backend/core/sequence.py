@@ -16,6 +16,8 @@ from backend.contract import FinishGuard, FinishReason, GenerationRequest, Logpr
 
 if TYPE_CHECKING:
     from backend.guards.policy import GuardState
+    from backend.lora.peft_format import LoraWeights
+    from backend.lora.registry import AdapterVersion
     from backend.speculation.speculator import SpecState
 
 
@@ -42,6 +44,9 @@ class Sequence:
     num_prompt_tokens: int
     dry_breaker_ids: tuple[int, ...] = ()  # the tokens holding a DRY sequence breaker string
     spec: SpecState | None = None  # its drafting state (the Speculator's); None: it never drafts
+    adapter: AdapterVersion | None = None  # the LoRA version it was admitted with (None: the base model)
+    adapter_weights: LoraWeights | None = None  # that version's weights, held while it lives
+    lora_lane: int | None = None  # the lane holding its adapter while it runs (backend.lora.lanes)
     # scheduling state (the scheduler's and the block manager's)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

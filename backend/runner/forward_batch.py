@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.lora.batch import LoraBatch
+
 
 @dataclass(slots=True)
 class ForwardBatch:
@@ -28,6 +30,7 @@ class ForwardBatch:
     query_start: list[int]  # [B + 1] prefix sums of query_lens
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [N] int64, rows of the flat batch whose logits are wanted
+    lora: LoraBatch | None = None  # the rows that use an adapter, and which (backend.lora.batch)
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from backend.core.config import EngineConfig
 from backend.core.step import ScheduledSeq, StepResult
+from backend.lora.lanes import LoraLanes, lora_batch
 from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv_block_bytes
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
@@ -53,6 +54,8 @@ class ModelRunner:
         self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
+        # the adapters' lanes (backend.lora.lanes), when the server serves adapters
+        self.lora = LoraLanes(config.max_loras, mc, self.dtype, self.device) if config.max_loras else None
 
     def _load_draft(self, config: EngineConfig) -> DraftModelRunner | None:
         if not config.spec_draft_model or config.speculative == "off":
@@ -81,7 +84,10 @@ class ModelRunner:
             # speculative tokens sit after the sequence's own; a completing sequence wants
             # the logits of its last real token, then each draft's
             spans.append(Span(own + drafts, start, seq.block_table, 1 + len(drafts) if item.completes else 0))
-        return build_forward_batch(spans, self.block_size, self.device)
+        batch = build_forward_batch(spans, self.block_size, self.device)
+        if self.lora is not None:
+            batch.lora = lora_batch(scheduled, batch.query_start, self.lora, self.device)
+        return batch
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:

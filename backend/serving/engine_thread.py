@@ -3,9 +3,11 @@
 The engine is not thread-safe: this thread builds it and runs its steps, and is the
 only one that changes it. Other threads talk to it through an inbox of commands
 (submit, abort), drained at the top of every loop iteration; when there is nothing to
-do the thread sleeps on a condition. One exception, by design: `prepare` (a request's
-grammar) runs on the caller's thread, Triton's, and touches only the engine's
-thread-safe grammar compiler, so a slow compilation never stalls the batch.
+do the thread sleeps on a condition. Two exceptions, by design: `prepare` (a request's
+grammar and adapter) runs on the caller's thread, Triton's, and touches only the
+engine's thread-safe grammar compiler and adapter registry, so a slow compilation
+never stalls the batch; `adapter_command` (load, unload, ...) runs on its caller's
+thread against that registry alone.
 
 Failures never kill the thread. A request the engine refuses (`add_request` raises)
 fails alone; an exception in `step()` fails every request in flight with a clear
@@ -19,8 +21,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend.contract import EngineUnavailable, GenerationRequest, ModelInfo, RequestOutput
-from backend.sampling.grammar import CompiledGrammar
+from backend.contract import (
+    AdapterCommand,
+    AdapterTable,
+    ContractError,
+    EngineUnavailable,
+    GenerationRequest,
+    ModelInfo,
+    RequestOutput,
+)
+from backend.core.engine import Prepared
 from backend.speculation.speculator import SpecStats
 
 log = logging.getLogger(__name__)
@@ -37,7 +47,7 @@ class _Submit:
     request_id: str
     request: GenerationRequest
     arrival_time: float
-    grammar: CompiledGrammar | None
+    prepared: Prepared
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,9 @@ class EngineSnapshot:
     requests_waiting: int = 0  # queued for the batch (preempted ones included)
     num_preemptions: int = 0  # since start
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counters, since start
+    # LoRA: (running, waiting) sequences per adapter name that ever ran or waited; MAX_LORAS
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
+    max_loras: int = 0
 
     @property
     def kv_blocks_used(self) -> int:
@@ -96,17 +109,23 @@ class EngineThread:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def prepare(self, request: GenerationRequest) -> CompiledGrammar | None:
-        """The request's grammar, compiled on the caller's thread (thread-safe)."""
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """The request's grammar and adapter, on the caller's thread (thread-safe)."""
         return self._engine.prepare(request)
 
-    def submit(
-        self, request_id: str, request: GenerationRequest, arrival_time: float, grammar: CompiledGrammar | None
-    ) -> None:
+    def adapter_command(self, command: AdapterCommand) -> AdapterTable:
+        """Run a LoRA adapter command on the caller's thread (thread-safe)."""
+        if self._engine.adapters is None:
+            if command.op == "list":
+                return AdapterTable()  # max_loras 0: no adapters served
+            raise ContractError("adapter_command", "this server serves no LoRA adapters (MAX_LORAS=0)")
+        return self._engine.adapters.command(command)
+
+    def submit(self, request_id: str, request: GenerationRequest, arrival_time: float, prepared: Prepared) -> None:
         """Queue a request; its outputs or its failure come through the callbacks."""
         with self._cond:
             if not self._stopping:
-                self._inbox.append(_Submit(request_id, request, arrival_time, grammar))
+                self._inbox.append(_Submit(request_id, request, arrival_time, prepared))
                 self._cond.notify()
                 return
         self._on_failure(request_id, EngineUnavailable("the server is shutting down"))
@@ -167,7 +186,7 @@ class EngineThread:
 
     def _add(self, command: _Submit) -> None:
         try:
-            self._engine.add_request(command.request_id, command.request, command.arrival_time, command.grammar)
+            self._engine.add_request(command.request_id, command.request, command.arrival_time, command.prepared)
         except Exception as exc:  # a bad request fails alone
             self._on_failure(command.request_id, exc)
 
@@ -221,4 +240,6 @@ class EngineThread:
             requests_waiting=self._engine.num_waiting(),
             num_preemptions=self._engine.num_preemptions,
             spec=self._engine.spec_stats(),
+            lora_requests=self._engine.lora_requests(),
+            max_loras=self._engine.max_loras,
         )

@@ -6,7 +6,9 @@ a round trip to the server: they are batched, at most every `every_s`, and a gau
 set only when its value changed. `make_metric(name, description, kind, labels)` builds
 one metric ("gauge" or "counter", with its labels) with `set` / `increment`; model.py
 passes Triton's. Speculative decoding's counters (llm_spec_decode_*, vLLM's
-spec_decode_* on the frontend) go out the same way, one series per draft position.
+spec_decode_* on the frontend) go out the same way, one series per draft position, and
+LoRA's: llm_lora_max_loras, and llm_lora_requests_running / _waiting{lora_name}, one
+series per adapter name seen (the frontend's vllm:lora_requests_info is made of them).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Gauges:
         )
         self._spec = [(_Counter(make_metric(name, text, "counter")), attr) for name, text, attr in _SPEC_COUNTERS]
         self._spec_per_pos: list[_Counter] = []  # made at the first publish: one per draft position
+        self._max_loras = make_metric("llm_lora_max_loras", "adapters one step may use (MAX_LORAS)", "gauge")
+        self._lora: dict[str, tuple[Any, Any]] = {}  # adapter name -> its running and waiting gauges
+        self._lora_published: dict[str, tuple[int, int]] = {}
+        self._max_loras_published: int | None = None
         self._responses = make_metric("llm_responses_total", "responses sent", "counter")
         self._tokens = make_metric("llm_generated_tokens_total", "generated tokens sent", "counter")
         self._every_s = every_s
@@ -86,6 +92,7 @@ class Gauges:
             self._published = state
         self._preemptions.publish(snapshot.num_preemptions)
         self._publish_spec(snapshot)
+        self._publish_lora(snapshot)
         if self._pending_responses:
             self._responses.increment(self._pending_responses)
             self._tokens.increment(self._pending_tokens)
@@ -102,3 +109,22 @@ class Gauges:
             self._spec_per_pos.append(_Counter(metric))
         for counter, total in zip(self._spec_per_pos, stats.accepted_per_pos, strict=True):
             counter.publish(total)
+
+    def _publish_lora(self, snapshot: EngineSnapshot) -> None:
+        if self._max_loras_published != snapshot.max_loras:
+            self._max_loras.set(snapshot.max_loras)
+            self._max_loras_published = snapshot.max_loras
+        for name, counts in snapshot.lora_requests.items():
+            if self._lora_published.get(name) == counts:
+                continue
+            if name not in self._lora:
+                labels = {"lora_name": name}
+                self._lora[name] = tuple(
+                    self._make_metric(
+                        f"llm_lora_requests_{state}", f"sequences {state} with this adapter", "gauge", labels
+                    )
+                    for state in ("running", "waiting")
+                )
+            for gauge, value in zip(self._lora[name], counts, strict=True):
+                gauge.set(value)
+            self._lora_published[name] = counts

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from backend.contract import GenerationRequest, ModelInfo
+from backend.contract import GenerationRequest
 from openai_frontend.api.chat_protocol import ChatCompletionRequest
 from openai_frontend.api.logprobs import chat_logprobs
 from openai_frontend.api.request_builder import build_request, validated
@@ -18,7 +18,7 @@ from openai_frontend.api.responses import (
     guard_fields,
     usage_of,
 )
-from openai_frontend.api.serving import Serving, json_response
+from openai_frontend.api.serving import Reply, Serving, json_response
 from openai_frontend.api.sse import ChatChunkFormat
 from openai_frontend.generation.choices import collect_all
 from openai_frontend.generation.deltas import Delta
@@ -33,7 +33,7 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
     messages = [m.template_dict() for m in body.messages]
     tools = ChatTools.of(serving.tool_parser, body)
     ticket = ticket_of(request)
-    generation = _request(serving, body, messages, tools, info, ticket.tenant)
+    generation = _request(serving, body, messages, tools, reply, ticket.tenant)
     streams = serving.generate(body, [generation], "chat", ticket, dump)
     reasoning = ChatReasoning.of(info)
     token_text = serving.tokenization.token_text
@@ -43,13 +43,13 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
 
     if body.stream:
         streams = [_parsed(stream, reasoning, tools) for stream in streams]
-        fmt = ChatChunkFormat(reply.id, reply.created, serving.model_name, body.include_usage(), logprobs, body.n)
+        fmt = ChatChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
         return await serving.stream(body, streams, fmt, request, dump)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, reasoning, tools, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
     response = ChatCompletionResponse(
-        id=reply.id, created=reply.created, model=serving.model_name, choices=choices, usage=usage_of(finals, body.n)
+        id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=usage_of(finals, body.n)
     )
     return json_response(response, finals, dump)
 
@@ -59,11 +59,11 @@ def _request(
     body: ChatCompletionRequest,
     messages: list[dict[str, Any]],
     tools: ChatTools | None,
-    info: ModelInfo,
+    reply: Reply,
     tenant: str,
 ) -> GenerationRequest:
     """The conversation through the chat template, and the request for it."""
-    tokenization = serving.tokenization
+    tokenization, info = serving.tokenization, reply.info
     if tools is None:
         prompt = tokenization.encode_chat(messages, None, body.template_kwargs())
     else:
@@ -76,8 +76,9 @@ def _request(
     stream = body.stream or bool(body.stop_strings())
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
     generation = build_request(
-        body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults, prediction=prediction
-    )
+        body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults, prediction=prediction,
+        adapter_slot=reply.adapter_slot,
+    )  # fmt: skip
     if tools is not None:
         tools.constrain(generation, messages)
     return validated(body, generation, info)

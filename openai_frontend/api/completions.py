@@ -27,10 +27,13 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     ticket = ticket_of(request)
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
-    requests = [
-        validated(body, build_request(body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction), info)
+    built = [
+        build_request(
+            body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction, adapter_slot=reply.adapter_slot
+        )
         for p in prompts
     ]
+    requests = [validated(body, generation, info) for generation in built]
     streams = serving.generate(body, requests, "completions", ticket, dump)
     if body.echo:
         streams = _echoed(streams, body, tokenization, prompts)
@@ -42,13 +45,13 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
         return formatters[index].format(delta.logprobs, delta.text_offsets) if wanted else None
 
     if body.stream:
-        fmt = CompletionChunkFormat(reply.id, reply.created, serving.model_name, body.include_usage(), logprobs, body.n)
+        fmt = CompletionChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
         return await serving.stream(body, streams, fmt, request, dump)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
     response = CompletionResponse(
-        id=reply.id, created=reply.created, model=serving.model_name, choices=choices, usage=usage_of(finals, body.n)
+        id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=usage_of(finals, body.n)
     )
     return json_response(response, finals, dump)
 

@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
+PERMISSION_DENIED = "permission_denied"
 SERVER_ERROR = "server_error"
 MODEL_UNAVAILABLE = "model_unavailable"
 RETRY_AFTER_S = 5  # about what tritonserver takes to restart the model (launcher.watchdog)
@@ -49,6 +50,10 @@ def bad_request(param: str | None, message: str) -> OpenAIError:
 def model_not_found(model: str) -> OpenAIError:
     message = f"The model `{model}` does not exist."
     return OpenAIError(404, message, "model", NOT_FOUND, "model_not_found")
+
+
+def permission_denied(message: str) -> OpenAIError:
+    return OpenAIError(403, message, None, PERMISSION_DENIED, "insufficient_permissions")
 
 
 def server_error(message: str) -> OpenAIError:

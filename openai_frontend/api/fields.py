@@ -61,7 +61,7 @@ _PREDICTION = "Predicted Outputs: the expected output's tokens are drafts for sp
 
 # the fields both endpoints take
 SHARED: dict[str, FieldRule] = {
-    "model": _supported("the served model's name (a 404 for any other)"),
+    "model": _supported("the served model's name, or a LoRA adapter's (a 404 for any other)"),
     "frequency_penalty": _supported("OpenAI's frequency penalty"),
     "logit_bias": _supported("added to the logits of the token ids given"),
     "n": _supported("1..8 choices, each its own model request"),
@@ -153,8 +153,11 @@ CHAT_EXTENSIONS: dict[str, FieldRule] = {
 }
 
 # Fields of the contract's request a client may not set by name: the frontend derives them
-# from the body (the logprob fields shape the response, which the body's own fields ask for).
-DERIVED = frozenset({"prompt_tokens", "stream", "lookup_tenant", "model_info", "logprobs", "top_logprobs"})
+# from the body (the logprob fields shape the response, which the body's own fields ask for);
+# model_info and adapter_command are inputs of queries, not of requests.
+DERIVED = frozenset(
+    {"prompt_tokens", "stream", "lookup_tenant", "model_info", "adapter_command", "logprobs", "top_logprobs"}
+)
 
 
 def forwardable(name: str) -> bool:

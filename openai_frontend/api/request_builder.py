@@ -5,8 +5,9 @@ request's `max_tokens`, `logit_bias` its ids and values, `timeout` its guards'
 `timeout_s`, `repetition_detection` its loop limits. The model's sampling presets
 (ModelInfo.sampling_defaults, chat only) fill what the body leaves unset, and
 extension fields a client sends by their contract name (`dry_multiplier`,
-`thinking_budget`, `num_beams`, ...) are set by name through the contract. A value the
-contract refuses is a 400 naming the body's field.
+`thinking_budget`, `num_beams`, ...) are set by name through the contract: `adapter_slot`
+too, over the slot the body's `model` picked. A value the contract refuses is a 400
+naming the body's field.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def build_request(
     stream: bool,
     presets: Mapping[str, Any] | None = None,
     prediction: list[int] = (),
+    adapter_slot: int = 0,
 ) -> GenerationRequest:
     """The body's request for `prompt`, not yet validated (tools may still constrain it:
     `validated`). `presets`: sampling defaults for the fields the body does not set;
-    `prediction`: the tokens of the body's prediction."""
+    `prediction`: the tokens of the body's prediction; `adapter_slot`: the LoRA adapter
+    the body's `model` picked (0: none)."""
     defaults = SamplingParams(**{k: v for k, v in (presets or {}).items() if not body.sets(k)})
     request = GenerationRequest(
         list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream,
-        prediction_tokens=tuple(prediction),
+        prediction_tokens=tuple(prediction), adapter_slot=adapter_slot,
     )  # fmt: skip
     grammar = body.grammar()
     if grammar is not None:

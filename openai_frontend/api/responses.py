@@ -85,6 +85,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llm-serving"
+    root: str | None = None  # vLLM's: the base model's folder, or an adapter's
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model; null for the base model
     max_model_len: int | None = None
 
 

@@ -1,4 +1,5 @@
-"""The endpoints: the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), /health, /metrics."""
+"""The endpoints: the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), /health, /metrics
+(runtime LoRA management: api/lora.py)."""
 
 from __future__ import annotations
 
@@ -25,15 +26,13 @@ def _serving(request: Request) -> Serving:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    return _serving(request).models()
+    return await _serving(request).models()
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
-    """The served model's card; any other id is a 404 model_not_found."""
-    serving = _serving(request)
-    serving.check_model(model_id)
-    return serving.models().data[0]
+    """The served model's card, or an adapter's; any other id is a 404 model_not_found."""
+    return await _serving(request).model_card(model_id)
 
 
 def _check(body: GenerationBody, request: Request) -> None:

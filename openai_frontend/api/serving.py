@@ -1,5 +1,5 @@
-"""What the endpoint handlers share: the model's facts, the generations of a request, the
-response (whole or streamed), and how failures become OpenAI errors."""
+"""What the endpoint handlers share: the model's facts and adapters, the generations of a
+request, the response (whole or streamed), and how failures become OpenAI errors."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from typing import TypeVar
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from backend.contract import FinalEvent, GenerationRequest, ModelInfo
-from openai_frontend.api.errors import OpenAIError, bad_request, model_not_found, server_error
+from backend.contract import AdapterInfo, FinalEvent, GenerationRequest, ModelInfo
+from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, model_not_found, server_error
 from openai_frontend.api.protocol import GenerationBody
 from openai_frontend.api.request_builder import for_choice
 from openai_frontend.api.responses import ModelCard, ModelList
 from openai_frontend.api.sse import ChunkFormat, sse_events
+from openai_frontend.generation.adapters import Adapters
 from openai_frontend.generation.choices import heads, interleave
 from openai_frontend.generation.deltas import Delta, generate_text
 from openai_frontend.generation.engine_client import EngineError, TritonLLM
@@ -46,16 +47,19 @@ class ClientGone(Exception):
 @dataclass(slots=True)
 class Reply:
     """What a response is given at its start: its id, its `created` (the request's
-    arrival, as OpenAI stamps it), the model's facts, its --dump record."""
+    arrival, as OpenAI stamps it), the model's facts, its --dump record, the model name
+    it echoes (the base model's or an adapter's) and the adapter slot that name picked."""
 
     id: str
     created: int
     info: ModelInfo
     dump: RequestDump | None
+    model: str
+    adapter_slot: int
 
 
 class Serving:
-    """The tokenizer, the engine client, the running model's facts and the counters."""
+    """The tokenizer, the engine client, the running model's facts, its adapters and the counters."""
 
     def __init__(self, tokenization: Tokenization, served_model_name: str, dump_dir: Path | None = None):
         self.tokenization = tokenization
@@ -66,6 +70,7 @@ class Serving:
         self.created = int(time.time())
         self.info: ModelInfo | None = None  # the running model's facts, once asked
         self.tool_parser: ToolParser | None = None  # the model's tool-call format
+        self.adapters = Adapters(served_model_name)  # the engine's LoRA adapters, as last heard
 
     async def model_info(self) -> ModelInfo:
         """The running model's facts, asked of it once (ModelUnavailable while it is down)."""
@@ -76,24 +81,40 @@ class Serving:
             self.info = info
         return self.info
 
-    def models(self) -> ModelList:
-        max_model_len = self.info.max_model_len if self.info is not None else None
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=max_model_len)])
+    async def models(self) -> ModelList:
+        """The base model's card, then one per adapter (vLLM's: `parent` the base model,
+        `root` the adapter's folder)."""
+        adapters = await self.adapters.listed(self.engine)
+        return ModelList(data=[self._card(), *(self._card(a) for a in adapters)])
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    async def model_card(self, model: str) -> ModelCard:
+        """The card of the base model or of an adapter; a 404 model_not_found otherwise."""
+        if model == self.model_name:
+            return self._card()
+        adapter = await self.adapters.find(self.engine, model)
+        if adapter is None:
             raise model_not_found(model)
+        return self._card(adapter)
+
+    def _card(self, adapter: AdapterInfo | None = None) -> ModelCard:
+        """The base model's card (its root: the model's folder), or an adapter's."""
+        max_model_len = self.info.max_model_len if self.info is not None else None
+        root = str(self.tokenization.model_path)
+        card = ModelCard(id=self.model_name, created=self.created, root=root, max_model_len=max_model_len)
+        if adapter is None:
+            return card
+        return card.model_copy(update={"id": adapter.name, "root": adapter.path, "parent": self.model_name})
 
     async def start(self, body: GenerationBody, endpoint: str, id_prefix: str) -> Reply:
-        """A request's response begins: its model checked, the model's facts at hand."""
+        """A request's response begins: its model (or adapter) chosen, the model's facts at hand."""
         created = int(time.time())
-        self.check_model(body.model)
+        choice = await self.adapters.choose(self.engine, body.model, (body.model_extra or {}).get("adapter_slot"))
         info = await self.model_info()
         reply_id = f"{id_prefix}-{uuid.uuid4().hex}"
         dump = None
         if self.dump_dir is not None:
             dump = RequestDump(self.dump_dir, reply_id, endpoint, body.model_dump(mode="json", exclude_unset=True))
-        return Reply(reply_id, created, info, dump)
+        return Reply(reply_id, created, info, dump, choice.model, choice.adapter_slot)
 
     def generate(
         self,
@@ -129,7 +150,8 @@ class Serving:
             dump.tensors(request)
         detokenizer = self.tokenization.detokenizer(request.prompt_tokens)
         text = generate_text(self.engine, request, detokenizer, body.stop_strings())
-        return ticket.metered(self._observed(text, index, dump, ticket.tenant))
+        lora = self.adapters.name_of(request.adapter_slot)
+        return ticket.metered(self._observed(text, index, dump, ticket.tenant, lora))
 
     async def stream(
         self,
@@ -165,6 +187,8 @@ class Serving:
     def error(self, body: GenerationBody, exc: Exception) -> OpenAIError:
         if isinstance(exc, OpenAIError):
             return exc
+        if isinstance(exc, EngineError) and exc.not_found:
+            return self._adapter_gone(body, exc)
         if isinstance(exc, EngineError) and exc.field is not None:
             param = body.param_of(exc.field)
             return bad_request(param, exc.message)
@@ -172,12 +196,22 @@ class Serving:
             log.error("generation failed", exc_info=exc)
         return server_error(str(exc) or type(exc).__name__)
 
+    def _adapter_gone(self, body: GenerationBody, exc: EngineError) -> OpenAIError:
+        """The engine has no adapter in the request's slot (unloaded since it was chosen):
+        the 404 of the `model` that named it, or of the adapter_slot the body sent. The
+        copy of the table that listed it is dropped."""
+        self.adapters.forget()
+        if body.model not in (None, self.model_name):
+            return model_not_found(body.model)
+        param = body.param_of(exc.field or "adapter_slot")
+        return OpenAIError(404, f"{param}: {exc.message}", param, NOT_FOUND, "model_not_found")
+
     async def _observed(
-        self, deltas: AsyncIterator[Delta], index: int, dump: RequestDump | None, tenant: str
+        self, deltas: AsyncIterator[Delta], index: int, dump: RequestDump | None, tenant: str, lora: str
     ) -> AsyncIterator[Delta]:
         """Counts a generation: running, tokens, latencies, and how it ended ("abort":
-        client left). Its end-to-end latency runs from here: the first pull starts its
-        model request."""
+        client left), also per adapter (`lora`, "" for the base model). Its end-to-end
+        latency runs from here: the first pull starts its model request."""
         metrics = self.metrics
         metrics.running += 1
         started = time.monotonic()
@@ -187,13 +221,13 @@ class Serving:
                 async for delta in deltas:
                     if delta.final is not None:
                         ended = True
-                        metrics.finished(delta.final, time.monotonic() - started, tenant)
+                        metrics.finished(delta.final, time.monotonic() - started, tenant, lora)
                         if dump is not None:
                             dump.final(index, delta.final)
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):
             if not ended:
-                metrics.aborted()
+                metrics.aborted(lora)
             raise
         finally:
             metrics.running -= 1

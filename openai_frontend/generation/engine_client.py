@@ -2,7 +2,9 @@
 
 Requests go out as the contract's named tensors (`GenerationRequest`), responses come
 back as the contract's `RequestOutput`s, and the model's errors as the contract's
-`ErrorReport`. Failures that mean "the model cannot serve now" (Triton unreachable or
+`ErrorReport`. An `AdapterCommand` (list, load, unload or activate a LoRA adapter) is
+answered with the `AdapterTable` after it, as a model-info query is with the model's
+facts. Failures that mean "the model cannot serve now" (Triton unreachable or
 restarting, a dead Python backend stub, the model not loaded, a drain) raise
 ModelUnavailable: a 503 with Retry-After in OpenAI's shape, so clients retry.
 """
@@ -21,7 +23,15 @@ import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.utils import InferenceServerException
 
 from backend import contract
-from backend.contract import ErrorKind, ErrorReport, GenerationRequest, ModelInfo, RequestOutput
+from backend.contract import (
+    AdapterCommand,
+    AdapterTable,
+    ErrorKind,
+    ErrorReport,
+    GenerationRequest,
+    ModelInfo,
+    RequestOutput,
+)
 from openai_frontend.api.errors import OpenAIError, service_unavailable
 
 # Triton's own words (not the model's reports) for a model that cannot serve now, e.g.
@@ -34,12 +44,14 @@ _REQUESTED_OUTPUTS = [grpcclient.InferRequestedOutput(spec.name) for spec in con
 
 
 class EngineError(Exception):
-    """The model refused the request (`field` set: the client's fault) or failed."""
+    """The model refused the request (`field` set: the client's fault) or failed.
+    `not_found`: what `field` names (an adapter) is not there."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, not_found: bool = False):
         super().__init__(message)
         self.message = message
         self.field = field
+        self.not_found = not_found
 
 
 class ModelUnavailable(EngineError, OpenAIError):
@@ -50,6 +62,7 @@ class ModelUnavailable(EngineError, OpenAIError):
         error = service_unavailable(message)
         OpenAIError.__init__(self, error.status, error.message, error.param, error.type, error.code, error.headers)
         self.field = None
+        self.not_found = False
 
 
 def engine_error(message: str) -> EngineError:
@@ -61,6 +74,8 @@ def engine_error(message: str) -> EngineError:
         return EngineError(message.strip())
     if report.kind is ErrorKind.UNAVAILABLE:
         return ModelUnavailable(f"model {contract.MODEL_NAME!r} is unavailable: {report.message}")
+    if report.kind is ErrorKind.NOT_FOUND:
+        return EngineError(report.message, report.field, not_found=True)
     return EngineError(report.message, report.field if report.kind is ErrorKind.INVALID_REQUEST else None)
 
 
@@ -85,6 +100,17 @@ class TritonLLM:
             async for result in results:
                 return contract.decode_model_info(_arrays(result))
         raise EngineError("the model did not answer the model-info query")
+
+    async def adapters(self, command: AdapterCommand) -> AdapterTable:
+        """The adapter table after `command` (EngineError naming lora_name, lora_path or
+        adapter_command when the model refuses it; not_found for a name not registered)."""
+        async with aclosing(self._responses(contract.adapter_command(command))) as results:
+            async for result in results:
+                try:
+                    return contract.decode_adapter_table(_arrays(result))
+                except (ValueError, TypeError, KeyError) as exc:  # ContractError is a ValueError
+                    raise EngineError(f"the model's adapter table is malformed: {exc}") from exc
+        raise EngineError("the model did not answer the adapter command")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Outputs until the final one. Closing the iterator early cancels the request.

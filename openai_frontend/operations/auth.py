@@ -13,6 +13,8 @@ import hmac
 from collections.abc import Mapping
 from pathlib import Path
 
+from fastapi import Request
+
 from openai_frontend.api.errors import INVALID_REQUEST, OpenAIError
 
 OPEN_TENANT = ""
@@ -63,6 +65,12 @@ class KeyRing:
         if found is None:
             raise _unauthorized("Incorrect API key provided.")
         return found
+
+
+def tenant_of(request: Request) -> str:
+    """The request's tenant, as the app's gate found it; the open tenant when the app is
+    driven without the gate."""
+    return getattr(request.state, "tenant", OPEN_TENANT)
 
 
 def _unauthorized(message: str) -> OpenAIError:

@@ -5,6 +5,7 @@ drift from the engine's), shown under vLLM's names."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 
@@ -20,11 +21,16 @@ ENGINE_SERIES = (
     "llm_spec_decode_num_drafts_total",
     "llm_spec_decode_num_draft_tokens_total",
     "llm_spec_decode_num_accepted_tokens_total",
+    "llm_lora_max_loras",  # adapters in one step at most; 0: the engine serves none
 )
-# ... and the one with a series per draft position, kept apart as name{position="i"}
+# ... and those with a series per draft position or per adapter, kept apart as
+# name{label="value"} (the value as the page escapes it)
 SPEC_PER_POS = "llm_spec_decode_num_accepted_tokens_per_pos_total"
-_SAMPLE = re.compile(r"^(llm_[a-z_]+)(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
-_POSITION = re.compile(r'position="(\d+)"')
+LORA_RUNNING = "llm_lora_requests_running"  # {lora_name}: its requests in the batch (0: none now)
+LORA_WAITING = "llm_lora_requests_waiting"  # {lora_name}: its requests waiting
+_KEPT_APART = {SPEC_PER_POS: "position", LORA_RUNNING: "lora_name", LORA_WAITING: "lora_name"}
+_SAMPLE = re.compile(r'^(llm_[a-z_]+)(?:\{((?:[^}"]|"(?:[^"\\]|\\.)*")*)\})? (\S+)$', re.MULTILINE)
+_LABEL = {label: re.compile(rf'(?:^|,)\s*{label}="((?:[^"\\]|\\.)*)"') for label in set(_KEPT_APART.values())}
 
 
 # -- the engine's figures ----------------------------------------------------------
@@ -44,16 +50,28 @@ async def read_engine(url: str | None, timeout_s: float = 2.0) -> dict[str, floa
 
 
 def parse_engine(text: str) -> dict[str, float]:
-    """ENGINE_SERIES values in a Prometheus text page (series of one name add up)."""
+    """ENGINE_SERIES values in a Prometheus text page, and the _KEPT_APART series by
+    their label (series of one key add up)."""
     values: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
-        position = _POSITION.search(labels) if name == SPEC_PER_POS else None
-        if position is not None:
-            name = f'{name}{{position="{position.group(1)}"}}'
+        label = _KEPT_APART.get(name)
+        found = _LABEL[label].search(labels) if label else None
+        if found is not None:
+            name = f'{name}{{{label}="{found.group(1)}"}}'
         elif name not in ENGINE_SERIES:
             continue
         values[name] = values.get(name, 0.0) + float(value)
     return values
+
+
+def _kept_apart(engine: dict[str, float], name: str) -> dict[str, float]:
+    """A _KEPT_APART series' values by its label's value (unescaped)."""
+    prefix = f'{name}{{{_KEPT_APART[name]}="'
+    return {_unescape(key[len(prefix) : -2]): value for key, value in engine.items() if key.startswith(prefix)}
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
 def engine_families(engine: dict[str, float] | None, model: str) -> list[Family]:
@@ -93,19 +111,38 @@ def engine_families(engine: dict[str, float] | None, model: str) -> list[Family]
             counter = Counter(name, help_text, m)
             counter.inc(model, amount=engine[source])
             families.append(counter)
-    return [*families, *_per_position(engine, model)]
+    return [*families, *_per_position(engine, model), *_lora_info(engine)]
 
 
 def _per_position(engine: dict[str, float], model: str) -> list[Family]:
     """vllm:spec_decode_num_accepted_tokens_per_pos_total{position}, when the engine drafts."""
-    found = {key: value for key, value in engine.items() if key.startswith(SPEC_PER_POS + "{")}
+    found = {int(pos): value for pos, value in _kept_apart(engine, SPEC_PER_POS).items() if pos.isdigit()}
     if not found:
         return []
     help_text = "Draft tokens accepted, by their position in the draft."
     counter = Counter("vllm:spec_decode_num_accepted_tokens_per_pos_total", help_text, ("model_name", "position"))
-    for key in sorted(found, key=lambda k: int(_POSITION.search(k).group(1))):
-        counter.inc(model, _POSITION.search(key).group(1), amount=found[key])
+    for position in sorted(found):
+        counter.inc(model, str(position), amount=found[position])
     return [counter]
+
+
+def _lora_info(engine: dict[str, float]) -> list[Family]:
+    """vLLM's vllm:lora_requests_info, when the engine serves adapters: one series whose
+    labels name the adapters with requests waiting and running (comma-separated, sorted)
+    and whose value is the scrape's time."""
+    max_loras = engine.get("llm_lora_max_loras", 0)
+    if max_loras <= 0:
+        return []
+    labels = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+    gauge = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.", labels)
+    gauge.set(
+        time.time(), str(int(max_loras)), _with_requests(engine, LORA_WAITING), _with_requests(engine, LORA_RUNNING)
+    )
+    return [gauge]
+
+
+def _with_requests(engine: dict[str, float], name: str) -> str:
+    return ",".join(sorted(lora for lora, count in _kept_apart(engine, name).items() if count > 0))
 
 
 def _gauge(name: str, help_text: str, value: float, model: str) -> Gauge:

@@ -11,17 +11,20 @@ from openai_frontend.api.errors import INVALID_REQUEST, OpenAIError, error_respo
 from openai_frontend.operations.auth import KeyRing
 from openai_frontend.operations.limits import Limits, Ticket
 
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
 
 class Gate:
-    """ASGI middleware in front of /v1/: the API key (401); then, for generation requests
-    (POST), the declared body size (413), the tenant's and the server's slots (429, 503,
-    or a wait in the queue) and the body itself, read within its bound (413).
+    """ASGI middleware in front of /v1/: the API key (401); for every POST, the declared
+    body size and then the body itself, read within its bound (413); and for generation
+    requests (GENERATION_PATHS), first the tenant's and the server's slots (429, 503, or
+    a wait in the queue). Other POSTs (LoRA management) take no slot and no tokens.
 
     It is ASGI, not a FastAPI dependency, so that a refusal comes before the body is
     parsed or even read, and so that the slots are freed when the app returns: when the
-    response, a stream included, has been sent or the client has left. The request's
-    Ticket rides in scope["state"] for the serving code; every response of an admitted
-    request carries the tenant's x-ratelimit-* headers.
+    response, a stream included, has been sent or the client has left. The tenant, and a
+    generation's Ticket, ride in scope["state"] for the handlers; every response of an
+    admitted generation carries the tenant's x-ratelimit-* headers.
     """
 
     def __init__(self, app: ASGIApp, keys: KeyRing, limits: Limits, on_error: Callable[[int], None]):
@@ -34,17 +37,22 @@ class Gate:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        generation = scope["method"] == "POST"
+        posted = scope["method"] == "POST"
+        generation = posted and scope["path"] in GENERATION_PATHS
         try:
             tenant = self.keys.tenant(_header(scope, b"authorization"))
-            if generation:
+            if posted:
                 _check_content_length(scope, self.limits.settings.max_request_bytes)
+            if generation:
                 ticket = await self.limits.admit(tenant)
         except OpenAIError as error:
             await self._refuse(error, scope, receive, send)
             return
+        scope.setdefault("state", {})["tenant"] = tenant
         if generation:
             await self._admitted(ticket, scope, receive, send)
+        elif posted:
+            await self._bounded(scope, receive, send, send)
         else:
             await self.app(scope, receive, send)
 
@@ -58,16 +66,21 @@ class Gate:
                 message = _with_headers(message, self.limits.tenants.headers(ticket.tenant))
             await send(message)
 
+        scope["state"]["ticket"] = ticket
         try:
-            try:
-                replay = await _bounded_body(receive, self.limits.settings.max_request_bytes)
-            except OpenAIError as error:
-                await self._refuse(error, scope, receive, send)
-                return
-            scope.setdefault("state", {})["ticket"] = ticket
-            await self.app(scope, replay, send_with_limits)
+            await self._bounded(scope, receive, send, send_with_limits)
         finally:
             self.limits.release(ticket, status)
+
+    async def _bounded(self, scope: Scope, receive: Receive, send: Send, app_send: Send) -> None:
+        """The app on the body read within its bound (a 413 past it, sent on `send`);
+        the app's messages go to `app_send`."""
+        try:
+            replay = await _bounded_body(receive, self.limits.settings.max_request_bytes)
+        except OpenAIError as error:
+            await self._refuse(error, scope, receive, send)
+            return
+        await self.app(scope, replay, app_send)
 
     async def _refuse(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
         self.on_error(error.status)

@@ -1,8 +1,8 @@
 """The frontend's Prometheus metrics, written in the text exposition format by hand.
 
 vLLM's names (`vllm:*`, each with a `model_name` label) where the meaning matches, so
-dashboards built for vLLM work unchanged; `llm_tenant_*` count per tenant; the older
-`llm_frontend_*` series stay. The engine's gauges (requests running and waiting, KV
+dashboards built for vLLM work unchanged; `llm_tenant_*` count per tenant, `llm_lora_*`
+per LoRA adapter; the older `llm_frontend_*` series stay. The engine's gauges (requests running and waiting, KV
 cache usage, preemptions) are the model's own figures, read from Triton's metrics port
 at each scrape: the frontend keeps no second count that could drift from the engine's.
 
@@ -132,10 +132,36 @@ class _Tokens:
 
 
 @dataclass(slots=True)
+class _LoraCounts:
+    """Generations on a LoRA adapter, by its name; the base model's are not counted here."""
+
+    requests: Counter
+    generated: Counter
+
+    @classmethod
+    def make(cls) -> _LoraCounts:
+        m = ("model_name", "lora_name")
+        return cls(
+            Counter("llm_lora_requests_total", "Generations ended on a LoRA adapter, by finish reason.",
+                    (*m, "finished_reason")),
+            Counter("llm_lora_generated_tokens_total", "Tokens generated on a LoRA adapter.", m),
+        )  # fmt: skip
+
+    def all(self) -> tuple[Counter, ...]:
+        return (self.requests, self.generated)
+
+    def observe(self, model: str, lora: str, reason: str, generated: int = 0) -> None:
+        if lora:
+            self.requests.inc(model, lora, reason)
+            self.generated.inc(model, lora, amount=generated)
+
+
+@dataclass(slots=True)
 class Metrics:
     """What /metrics shows. Serving calls `received` per request, and per generation
     (one per choice) `finished` or `aborted`; `running` counts generations in flight.
-    The token series wait for the model's context length (`describe`: their buckets
+    `lora`: the adapter a generation ran on ("": the base model). The token series wait
+    for the model's context length (`describe`: their buckets
     reach it), which the frontend learns from the running model before any request."""
 
     model_name: str = ""
@@ -149,6 +175,7 @@ class Metrics:
     running: int = 0
     latencies: _Latencies = field(default_factory=_Latencies.make)
     tokens: _Tokens | None = None
+    lora: _LoraCounts = field(default_factory=_LoraCounts.make)
 
     def describe(self, max_model_len: int) -> None:
         if self.tokens is None:
@@ -158,7 +185,7 @@ class Metrics:
         self.requests[endpoint] += 1
         self.tokens.tenant_requests.inc(self.model_name, tenant)
 
-    def finished(self, final: FinalEvent, e2e_s: float, tenant: str = "") -> None:
+    def finished(self, final: FinalEvent, e2e_s: float, tenant: str = "", lora: str = "") -> None:
         """A generation that ended with its final event; `e2e_s`: as the frontend saw it."""
         self.finished_reasons[final.finish_reason.value] += 1
         self.prompt_tokens += final.num_prompt_tokens
@@ -166,11 +193,13 @@ class Metrics:
         self.cached_prompt_tokens += final.num_cached_tokens
         self.tokens.observe(final, self.model_name, tenant)
         self.latencies.observe(final, e2e_s, self.model_name)
+        self.lora.observe(self.model_name, lora, final.finish_reason.value, final.num_output_tokens)
 
-    def aborted(self) -> None:
+    def aborted(self, lora: str = "") -> None:
         """A generation the client left before its end (no final event: no token counts)."""
         self.finished_reasons["abort"] += 1
         self.tokens.success.inc(self.model_name, "abort")
+        self.lora.observe(self.model_name, lora, "abort")
 
     async def scrape(self) -> str:
         """The page, with the engine's gauges as of now."""
@@ -179,7 +208,8 @@ class Metrics:
     def render(self, engine: dict[str, float] | None = None) -> str:
         lines = self._legacy_lines()
         tokens = self.tokens.all() if self.tokens is not None else ()
-        for family in (*tokens, *self.latencies.all(), *engine_families(engine, self.model_name)):
+        families = (*tokens, *self.latencies.all(), *self.lora.all(), *engine_families(engine, self.model_name))
+        for family in families:
             lines += family.render()
         return "\n".join(lines) + "\n"
 

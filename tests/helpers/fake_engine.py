@@ -4,15 +4,26 @@
 given others) and `generate(request)` by replaying a token list in packs as
 `RequestOutput`s, the last with a `FinalEvent`. It records the `GenerationRequest`s it
 received (`requests`) and counts the generations closed before their end (`cancelled`).
+`adapters(command)` keeps an AdapterTable (`table`) as the engine does: load adds a name
+or makes a new version of it (its slot kept), unload and activate refuse a name not
+registered; it records the commands (`commands`). A generation whose adapter_slot names
+no adapter in `table` is refused as the engine refuses it (not found).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from backend.contract import (
+    BASE_SLOT,
+    FOLLOW_ACTIVE,
+    AdapterCommand,
+    AdapterInfo,
+    AdapterNotFound,
+    AdapterTable,
     ContractError,
     ErrorReport,
     FinalEvent,
@@ -43,6 +54,11 @@ def model_refusal(field: str, why: str) -> EngineError:
     return engine_error(ErrorReport.of(ContractError(field, why)).encode())
 
 
+def adapter_not_found(field: str, why: str) -> EngineError:
+    """What the engine client raises when the model finds no adapter for `field`."""
+    return engine_error(ErrorReport.of(AdapterNotFound(field, why)).encode())
+
+
 def fake_logprob(token_id: int, alternatives: int, first_alternative: int | None = None) -> Logprob:
     """Made-up logprobs: token t has -t / 1000; its alternatives are the next ids."""
     start = token_id if first_alternative is None else first_alternative
@@ -56,6 +72,8 @@ class FakeEngine:
     before each pack; `error`: raised instead of generating; `starts_in_thinking`: the
     engine's word on the first output; `hold` (an asyncio.Event, set by a test): the
     packs after the first wait for it. Logprobs (and the prompt's) come when asked.
+    `table`: the adapters it serves (none by default, up to 4 at once); `command_error`:
+    raised by the next adapter command instead of answering it.
     """
 
     def __init__(
@@ -70,6 +88,7 @@ class FakeEngine:
         info: ModelInfo = DEFAULT_INFO,
         delay_s: float = 0.0,
         starts_in_thinking: bool | None = None,
+        table: AdapterTable | None = None,
     ):
         self.token_ids = list(token_ids)
         self.pack_size, self.reason, self.guard = pack_size, reason, guard or _GUARD_OF.get(reason, FinishGuard.EOS)
@@ -80,6 +99,9 @@ class FakeEngine:
         self.requests: list[GenerationRequest] = []
         self.cancelled = 0
         self.model_info_calls = 0
+        self.table = table or AdapterTable(max_loras=4, max_lora_rank=64)
+        self.commands: list[AdapterCommand] = []
+        self.command_error: Exception | None = None
 
     async def is_ready(self) -> bool:
         return True
@@ -88,10 +110,30 @@ class FakeEngine:
         self.model_info_calls += 1
         return self.info
 
+    async def adapters(self, command: AdapterCommand) -> AdapterTable:
+        self.commands.append(command)
+        if self.command_error is not None:
+            error, self.command_error = self.command_error, None
+            raise error
+        table, name = self.table, command.lora_name
+        if command.op in ("unload", "activate") and name and table.by_name(name) is None:
+            raise adapter_not_found("lora_name", f"no adapter {name!r} is registered")
+        if command.op == "load":
+            self.table = _loaded(table, name, command.lora_path)
+        elif command.op == "unload":
+            active = "" if table.active == name else table.active
+            self.table = replace(table, adapters=[a for a in table.adapters if a.name != name], active=active)
+        elif command.op == "activate":
+            self.table = replace(table, active=name)
+        return self.table
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         if self.error is not None:
             raise self.error
+        slot = request.adapter_slot
+        if slot not in (BASE_SLOT, FOLLOW_ACTIVE) and all(a.slot != slot for a in self.table.adapters):
+            raise adapter_not_found("adapter_slot", f"no adapter is registered in slot {slot}")
         ids, size = self.token_ids, self.pack_size
         finished = False
         try:
@@ -127,3 +169,12 @@ class FakeEngine:
             return None
         first, *rest = request.prompt_tokens
         return [Logprob(first, None, []), *(fake_logprob(t, k, first_alternative=t + 1) for t in rest)]
+
+
+def _loaded(table: AdapterTable, name: str, path: str) -> AdapterTable:
+    """The table with `name` loaded from `path`: a new version, in its slot if it had one."""
+    old = table.by_name(name)
+    slot = old.slot if old else max((a.slot for a in table.adapters), default=0) + 1
+    version = max((a.version for a in table.adapters), default=0) + 1
+    adapters = [a for a in table.adapters if a.name != name] + [AdapterInfo(name, slot, version, path, 8)]
+    return replace(table, adapters=sorted(adapters, key=lambda a: a.slot))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention
 from backend.runner.forward_batch import ForwardBatch
 
@@ -103,6 +104,7 @@ class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
+        self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps, self.scale = cfg.rms_norm_eps, d**-0.5
         self.sliding_window = cfg.sliding_windows[index] if cfg.sliding_windows else None
@@ -125,13 +127,22 @@ class DecoderLayer(torch.nn.Module):
         # x: [T, hidden]
         x = x + self._attention(F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps), rope, kv_cache, batch, plan)
         h = F.rms_norm(x, x.shape[-1:], self.post_norm, self.eps)
-        gate, up = linear(h, self.gate_up_t).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_t)
+        gate_up = linear(h, self.gate_up_t)
+        if batch.lora is not None:
+            add_lora(gate_up, h, batch.lora, self.index, GATE_UP)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = linear(act, self.down_t)
+        if batch.lora is not None:
+            add_lora(down, act, batch.lora, self.index, DOWN)
+        return x + down
 
     def _attention(self, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
         cos, sin = rope
         num_tokens, num_qk = h.shape[0], self.num_heads + self.num_kv_heads
         qkv = linear(h, self.qkv_t, self.qkv_bias)  # [T, (H + 2 KV) * D]
+        if batch.lora is not None:
+            add_lora(qkv, h, batch.lora, self.index, QKV)
         qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)  # [T, H + KV, D]
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
@@ -140,8 +151,11 @@ class DecoderLayer(torch.nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan)  # [T, H, D]
-        return linear(out.reshape(num_tokens, -1), self.o_proj_t, self.o_bias)
+        out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan).reshape(num_tokens, -1)  # [T, H * D]
+        o = linear(out, self.o_proj_t, self.o_bias)
+        if batch.lora is not None:
+            add_lora(o, out, batch.lora, self.index, O_PROJ)
+        return o
 
 
 class LlamaForCausalLM(torch.nn.Module):

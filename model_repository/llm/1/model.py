@@ -2,7 +2,9 @@
 
 execute() decodes each request with the contract into a validated GenerationRequest,
 prepares its grammar, registers it as live and hands it to the engine thread, and
-returns at once. A model-info query is answered from the engine's facts. The engine
+returns at once. A model-info query is answered from the engine's facts, an adapter
+command (backend.contract.adapters) on a thread of its own (a load reads a folder)
+with the adapter table after it. The engine
 thread pushes outputs into the live-request registry; the sender thread
 (backend.serving.sender) sends, per stream, everything pending as ONE response (a send
 is a blocking round trip, whatever it holds), the final flag riding on the last, and
@@ -85,16 +87,32 @@ class TritonPythonModel:
             if contract.is_model_info_query(arrays):
                 _send(sender, contract.encode_model_info(info), FINAL)
                 return
+            command = contract.decode_adapter_command(arrays)
+            if command is not None:
+                threading.Thread(target=self._command, args=(sender, command), name="llm-adapters", daemon=True).start()
+                return
             if self._draining.is_set():
                 raise contract.EngineUnavailable("the server is shutting down")
             generation = contract.decode_request(arrays, info.vocab_size, info.max_model_len)
-            grammar = self._engine.prepare(generation)
+            prepared = self._engine.prepare(generation)
         except (contract.ContractError, contract.EngineUnavailable) as exc:
             _send_error(sender, exc)
             return
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
         self._live.open(request_id, sender, generation.stream)
-        self._engine.submit(request_id, generation, arrival_time, grammar)
+        self._engine.submit(request_id, generation, arrival_time, prepared)
+
+    def _command(self, sender, command: contract.AdapterCommand) -> None:
+        try:
+            table = self._engine.adapter_command(command)
+        except contract.ContractError as exc:
+            _send_error(sender, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed command fails alone
+            log.exception("adapter command failed")
+            _send_error(sender, exc)
+            return
+        _send(sender, contract.encode_adapter_table(table), FINAL)
 
     def _drain(self) -> None:
         self._draining.set()
@@ -129,6 +147,7 @@ def _send_error(sender, error: Exception) -> None:
     report = contract.ErrorReport.of(error)
     code = {
         contract.ErrorKind.INVALID_REQUEST: pb_utils.TritonError.INVALID_ARG,
+        contract.ErrorKind.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
         contract.ErrorKind.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
     }.get(report.kind, pb_utils.TritonError.INTERNAL)
     response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(report.encode(), code))

@@ -38,7 +38,7 @@ from backend.contract import (
     model_info_query,
     render_config_pbtxt,
 )
-from backend.contract.tensors import INPUTS_BY_NAME, MODEL_INFO_QUERY, REQUEST_INPUTS
+from backend.contract.tensors import ADAPTER_COMMAND, INPUTS_BY_NAME, MODEL_INFO_QUERY, REQUEST_INPUTS
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "model_repository" / "llm" / "config.pbtxt"
@@ -84,9 +84,9 @@ def test_every_request_input_names_a_field_of_its_part():
     for spec in REQUEST_INPUTS:
         assert spec.part in PARTS, spec.name
         assert spec.name in _fields(spec.part), spec.name
-    # the inputs are the request's and the model-info query, nothing more
-    assert INPUTS == (*REQUEST_INPUTS, MODEL_INFO_QUERY)
-    assert set(INPUTS_BY_NAME) == {*names, MODEL_INFO_QUERY.name}
+    # the inputs are the request's, the model-info query and the adapter command, nothing more
+    assert INPUTS == (*REQUEST_INPUTS, MODEL_INFO_QUERY, ADAPTER_COMMAND)
+    assert set(INPUTS_BY_NAME) == {*names, MODEL_INFO_QUERY.name, ADAPTER_COMMAND.name}
 
 
 def test_input_shapes_and_types_follow_the_fields():
@@ -205,7 +205,7 @@ def test_absent_inputs_take_their_defaults():
         ("num_beams", GenerationRequest([1], num_beams=4)),
         ("session_hash", GenerationRequest([1], session_hash="abc")),
         ("images", GenerationRequest([1], images=(b"\x89PNG",))),
-        ("adapter_slot", GenerationRequest([1], adapter_slot=2)),
+        ("src_lang_id", GenerationRequest([1], src_lang_id=3)),
     ],
 )
 def test_unbuilt_field_with_a_non_default_value_is_refused(name, request_):

@@ -5,13 +5,18 @@ from backend.core.block_manager import BlockManager, KVEventKind
 from backend.core.sequence import Sequence
 from backend.guards.policy import GuardState
 from backend.guards.thinking import Markers, PhaseGuard
+from backend.lora.registry import AdapterVersion
 
 BS = 4
 
 
 def make_seq(tokens, tenant="", adapter=0, rid="r"):
-    request = GenerationRequest(list(tokens), lookup_tenant=tenant, adapter_slot=adapter)
-    return Sequence.of(rid, request, 0.0, GuardState(PhaseGuard(Markers())))
+    """`adapter`: the adapter version the sequence was admitted with (0: the base model)."""
+    request = GenerationRequest(list(tokens), lookup_tenant=tenant)
+    seq = Sequence.of(rid, request, 0.0, GuardState(PhaseGuard(Markers())))
+    if adapter:
+        seq.adapter = AdapterVersion(f"adapter-{adapter}", 1, adapter, "/nowhere", 4, "")
+    return seq
 
 
 def admit(bm, seq):
@@ -78,6 +83,9 @@ def test_prefix_cache_is_scoped_by_tenant_and_adapter():
     assert admit(bm, make_seq(range(9), tenant="B", rid="b")) == 0
     assert admit(bm, make_seq(range(9), tenant="A", adapter=1, rid="c")) == 0
     assert admit(bm, make_seq(range(9), tenant="A", rid="d")) == 8
+    # the key is the adapter's version: another version (a reload) of it shares nothing
+    assert admit(bm, make_seq(range(9), tenant="A", adapter=1, rid="e")) == 8
+    assert admit(bm, make_seq(range(9), tenant="A", adapter=2, rid="f")) == 0
 
 
 def test_freed_cached_blocks_are_reused_until_evicted_lru():

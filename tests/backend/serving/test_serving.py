@@ -232,7 +232,7 @@ class FakeEngine:
         self.prepared_on.append(threading.get_ident())
         return ("compiled", request.grammar_kind) if request.grammar_kind else None
 
-    def add_request(self, request_id: str, request: GenerationRequest, arrival_time=None, grammar=None) -> None:
+    def add_request(self, request_id: str, request: GenerationRequest, arrival_time=None, prepared=None) -> None:
         self.thread_ids.add(threading.get_ident())
         if request.grammar_kind not in ("", "json_object"):
             raise ContractError("grammar_kind", f"{request.grammar_kind!r} is not a grammar kind")
@@ -241,7 +241,12 @@ class FakeEngine:
         self.requests[request_id] = []
         self.limits[request_id] = request.sampling.max_tokens or 3
         self.arrivals[request_id] = arrival_time
-        self.grammars[request_id] = grammar
+        self.grammars[request_id] = prepared
+
+    def lora_requests(self) -> dict:
+        return {}
+
+    max_loras = 0
 
     def abort_request(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
@@ -490,6 +495,7 @@ def test_gauges_are_set_only_when_their_values_change():
         "llm_spec_decode_num_drafts_total": "counter",
         "llm_spec_decode_num_draft_tokens_total": "counter",
         "llm_spec_decode_num_accepted_tokens_total": "counter",
+        "llm_lora_max_loras": "gauge",
     }
     gauges.publish(_snapshot(), in_flight=4)
     assert metrics.calls() == {
@@ -498,6 +504,7 @@ def test_gauges_are_set_only_when_their_values_change():
         "llm_requests_in_flight": [("set", 4)],
         "llm_requests_running": [("set", 2)],
         "llm_requests_waiting": [("set", 1)],
+        "llm_lora_max_loras": [("set", 0)],
     }
     gauges.publish(_snapshot(), in_flight=4)
     assert metrics.calls() == {}  # nothing changed: no round trip

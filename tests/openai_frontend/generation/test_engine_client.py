@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from backend.contract import ContractError, ErrorKind, ErrorReport
-from openai_frontend.generation.engine_client import EngineError, ModelUnavailable, engine_error
+import asyncio
+
+import numpy as np
+
+from backend import contract
+from backend.contract import (
+    AdapterCommand,
+    AdapterInfo,
+    AdapterNotFound,
+    AdapterTable,
+    ContractError,
+    ErrorKind,
+    ErrorReport,
+)
+from openai_frontend.generation.engine_client import EngineError, ModelUnavailable, TritonLLM, engine_error
 
 
 def test_engine_error_names_the_contract_field_of_a_refusal():
@@ -23,3 +36,38 @@ def test_engine_error_of_a_failure_or_a_foreign_message_keeps_no_field():
         error = engine_error(message)
         assert type(error) is EngineError and error.field is None, message
         assert not isinstance(error, ModelUnavailable)
+
+
+def test_engine_error_of_an_adapter_not_found_keeps_its_field_and_says_so():
+    error = engine_error(ErrorReport.of(AdapterNotFound("adapter_slot", "no adapter in slot 3")).encode())
+    assert type(error) is EngineError and error.not_found and error.field == "adapter_slot"
+    assert not engine_error(ErrorReport.of(ContractError("lora_path", "unreadable")).encode()).not_found
+
+
+class _Result:
+    """A stream result as tritonclient gives it: named output arrays."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+    def get_response(self):
+        outputs = [type("Output", (), {"name": name}) for name in self.arrays]
+        return type("Response", (), {"outputs": outputs})
+
+    def as_numpy(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+
+def test_an_adapter_command_is_sent_alone_and_answered_with_the_table():
+    table = AdapterTable([AdapterInfo("sql", 1, 7, "/adapters/sql", 8)], active="sql", max_loras=2, max_lora_rank=8)
+    sent = []
+
+    async def responses(arrays):
+        sent.append(arrays)
+        yield _Result(contract.encode_adapter_table(table))
+
+    client = object.__new__(TritonLLM)  # no gRPC channel: the stream is the stand-in above
+    client._responses = responses
+    answer = asyncio.run(client.adapters(AdapterCommand("load", "sql", "/adapters/sql")))
+    assert answer == table
+    assert contract.decode_adapter_command(sent[0]) == AdapterCommand("load", "sql", "/adapters/sql")

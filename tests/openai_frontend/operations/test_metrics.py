@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -106,6 +107,36 @@ def test_unreachable_engine_leaves_its_gauges_out_rather_than_zero():
     text = asyncio.run(metrics.scrape())
     assert _value(text, 'llm_frontend_engine_metrics_up{model_name="smol"}') == 0
     assert "vllm:num_requests_running" not in text and "vllm:kv_cache_usage_perc" not in text
+
+
+LORA_PAGE = """\
+llm_lora_max_loras 4
+llm_lora_requests_running{lora_name="sql"} 2
+llm_lora_requests_running{lora_name="chat"} 1
+llm_lora_requests_running{lora_name="idle"} 0
+llm_lora_requests_waiting{lora_name="sql"} 0
+llm_lora_requests_waiting{lora_name="a \\"quoted\\" one"} 3
+llm_lora_requests_waiting{lora_name="chat"} 1
+llm_requests_running 3
+"""
+
+
+def test_the_engines_adapter_series_become_one_lora_requests_info_series():
+    engine = parse_engine(LORA_PAGE)
+    assert engine["llm_lora_max_loras"] == 4 and engine["llm_requests_running"] == 3
+    assert engine['llm_lora_requests_running{lora_name="idle"}'] == 0  # kept apart by name
+    before = time.time()
+    text = Metrics("smol").render(engine)
+    series = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info")]
+    labels = 'max_lora="4",waiting_lora_adapters="a \\"quoted\\" one,chat",running_lora_adapters="chat,sql"'
+    assert len(series) == 1 and series[0].startswith(f"vllm:lora_requests_info{{{labels}}} "), series
+    assert before <= float(series[0].rsplit(" ", 1)[1]) <= time.time()  # the scrape's time
+    assert "# TYPE vllm:lora_requests_info gauge" in text
+
+
+def test_no_lora_requests_info_when_the_engine_serves_no_adapters():
+    for page in ("llm_lora_max_loras 0\nllm_requests_running 1\n", "llm_requests_running 1\n"):
+        assert "vllm:lora_requests_info" not in Metrics("smol").render(parse_engine(page))
 
 
 # -- what a generation adds ----------------------------------------------------------------

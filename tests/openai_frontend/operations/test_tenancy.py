@@ -14,10 +14,9 @@ import httpx
 import pytest
 
 from backend import contract
-from openai_frontend.app import Settings, create_app
 from openai_frontend.operations.admission import Admission
 from openai_frontend.operations.auth import KeyConfigError, KeyRing
-from openai_frontend.operations.limits import LimitSettings, TenantLimits
+from openai_frontend.operations.limits import TenantLimits
 from tests.helpers.fake_engine import DEFAULT_INFO, FakeEngine, model_refusal
 
 CHAT = "/v1/chat/completions"
@@ -27,29 +26,12 @@ KEYS = "key-alice:alice,key-bob:bob"
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
 LONG_PART = {"type": "text", "text": "z" * 101}
-ENV_NAMES = ["API_KEYS", "API_KEYS_FILE", *(f.upper() for f in LimitSettings.__dataclass_fields__)]
 
 
 @pytest.fixture
 def engine(tokenization) -> FakeEngine:
     """Sends one token at a time; a test that sets `engine.hold` keeps it after the first."""
     return FakeEngine(tokenization.tokenizer.encode(" Hello there, friend.", add_special_tokens=False), pack_size=1)
-
-
-@pytest.fixture
-def make_app(tokenization, monkeypatch):
-    """An app configured by the given environment variables (and only those)."""
-
-    def make(engine, **env):
-        for name in ENV_NAMES:
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, str(value))
-        app = create_app(Settings("unused", "smol"), tokenization=tokenization)
-        app.state.serving.engine = engine
-        return app
-
-    return make
 
 
 def _client(app) -> httpx.AsyncClient:
