@@ -151,6 +151,25 @@ class BlockManager:
         block.ref_count = 1
         return block
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (holding no blocks) `parent`'s computed KV, for a beam that continues
+        another: the full blocks are shared (their reference counts raised; nobody writes
+        into a full block again) and the partial last block, if any, is a new block the
+        runner must fill with the parent's: its (source, destination) is returned.
+        The caller makes sure a free block is there (`num_free_blocks`)."""
+        assert not child.block_table, "fork into a sequence that holds blocks"
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        for block_id in parent.block_table[:num_full]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        if not partial:
+            return None
+        copy = self._take_free_block().block_id
+        child.block_table.append(copy)
+        return parent.block_table[num_full], copy
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first; cached ones stay reusable until evicted."""
         for block_id in reversed(seq.block_table):

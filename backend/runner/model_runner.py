@@ -76,6 +76,17 @@ class ModelRunner:
             raise ValueError(f"KV cache of {kv_cache_bytes} bytes holds fewer than 2 blocks; raise KV_CACHE_MB")
         return int(num_blocks)
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV of block `source` into block `destination`, in every layer (a forked beam's
+        partial last block: BlockManager.fork)."""
+        if not copies:
+            return
+        sources = torch.tensor([s for s, _ in copies], device=self.device)
+        destinations = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, destinations] = cache[:, sources]
+
     def build_batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         spans = []
         for item in scheduled:

@@ -139,3 +139,28 @@ def test_duplicate_content_computed_concurrently_keeps_the_first_copy():
     assert bm.num_cached_blocks() == 1
     assert bm.blocks[a.block_table[0]].block_hash is not None
     assert bm.blocks[b.block_table[0]].block_hash is None
+
+
+def test_fork_shares_full_blocks_copies_the_partial_one_and_leaks_nothing():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = make_seq(range(10), rid="parent")  # 2 full blocks + 2 tokens
+    assert bm.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    bm.cache_full_blocks(parent)
+    children = [make_seq([], rid=f"beam-{i}") for i in range(2)]
+    copies = [bm.fork(parent, child) for child in children]
+    full = parent.block_table[:2]
+    for child, copy in zip(children, copies, strict=True):
+        assert child.block_table[:2] == full and child.block_hashes == parent.block_hashes[:2]
+        assert copy == (parent.block_table[2], child.block_table[2]) and copy[1] not in parent.block_table
+    assert [bm.blocks[i].ref_count for i in full] == [3, 3]
+    assert len({child.block_table[2] for child in children}) == 2
+    aligned = make_seq(range(8), rid="aligned")  # a parent with no partial block: nothing to copy
+    aligned_child = make_seq([], rid="aligned-child")
+    assert bm.allocate_slots(aligned, 8)
+    aligned.num_computed_tokens = 8
+    assert bm.fork(aligned, aligned_child) is None
+    assert aligned_child.block_table == aligned.block_table
+    for seq in (parent, *children, aligned, aligned_child):
+        bm.free(seq)
+    assert bm.num_free_blocks() == 8 and all(b.ref_count == 0 for b in bm.blocks)
