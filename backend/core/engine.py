@@ -191,6 +191,8 @@ class LLMEngine:
     def lora_requests(self) -> dict[str, tuple[int, int]]:
         """(running, waiting) sequences per adapter name, for every name seen since start
         (vLLM's lora_requests_info reads the names with a count above 0)."""
+        if self.adapters is None:
+            return {}
         counts = self._lora_counts
         for name in counts:
             counts[name] = (0, 0)

@@ -78,6 +78,8 @@ class LoraLanes:
 
 def lora_batch(scheduled: list, query_start: list[int], lanes: LoraLanes, device: torch.device) -> LoraBatch | None:
     """Which rows of a batch of `scheduled` (in order) use which lane; None: none does."""
+    if all(item.seq.lora_lane is None for item in scheduled):
+        return None  # the base model alone: nothing more per step
     row_lanes: list[int | None] = []
     for i, item in enumerate(scheduled):
         row_lanes += [item.seq.lora_lane] * (query_start[i + 1] - query_start[i])
