@@ -115,6 +115,8 @@ class TritonServer:
         env.update(self.extra_env)
         env["LLM_MODEL_PATH"] = str(self.model_path)
         env["LLM_SOURCE_ROOT"] = str(REPO_ROOT)
+        if env.get("LORA_MODULES"):  # tritonserver runs in the repository: paths as the user gave them
+            env["LORA_MODULES"] = absolute_lora_modules(env["LORA_MODULES"])
         log = log_path(self.log_dir, "tritonserver", self.ports.grpc, self.restarts)
         self.process = ManagedProcess("tritonserver", self.argv(install), env, REPO_ROOT, log)
         try:
@@ -242,3 +244,15 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def absolute_lora_modules(text: str) -> str:
+    """LORA_MODULES (`name=path,...`) with each relative path made absolute from this
+    process's working directory; anything malformed is left for the engine to refuse."""
+    items = []
+    for item in text.split(","):
+        name, sep, path = item.partition("=")
+        if sep and path.strip():
+            item = f"{name}={Path(path.strip()).expanduser().absolute()}"
+        items.append(item)
+    return ",".join(items)
