@@ -36,14 +36,16 @@ class Settings:
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
     """The app; its lifespan opens the one Triton client all requests share and asks the
     running model for its facts and its LoRA adapters (again on the first request that
-    needs them, if Triton was not up). API keys, limits and who may manage adapters come
-    from the environment (operations/auth.py, limits.py, api/lora.py)."""
+    needs them, if Triton was not up). API keys, limits, who may manage adapters and a
+    beam search stream's keep-alive interval (SSE_KEEPALIVE_S, seconds) come from the
+    environment (operations/auth.py, limits.py, api/lora.py)."""
     dump_dir = None
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
     serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name, dump_dir=dump_dir)
     serving.metrics.engine_url = settings.triton_metrics_url
+    serving.keepalive_s = float(os.environ.get("SSE_KEEPALIVE_S", serving.keepalive_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -23,9 +23,16 @@ from backend.contract.adapters import (
     AdapterTable,
 )
 from backend.contract.errors import ContractError, EngineUnavailable, ErrorKind, ErrorReport
-from backend.contract.events import FinalEvent, FinishGuard, FinishReason, Logprob, RequestOutput
+from backend.contract.events import FinalEvent, FinishGuard, FinishReason, Hypothesis, Logprob, RequestOutput
 from backend.contract.model_info import ModelInfo
-from backend.contract.request import DEFAULT_DRY_BREAKERS, GenerationRequest, GuardParams, SamplingParams
+from backend.contract.output_wire import decode_output, encode_output
+from backend.contract.request import (
+    DEFAULT_DRY_BREAKERS,
+    EARLY_STOPPING,
+    GenerationRequest,
+    GuardParams,
+    SamplingParams,
+)
 from backend.contract.tensors import INPUTS, INPUTS_BY_NAME, MODEL_NAME, OUTPUTS, render_config_pbtxt
 from backend.contract.wire import (
     adapter_command,
@@ -33,11 +40,9 @@ from backend.contract.wire import (
     decode_adapter_command,
     decode_adapter_table,
     decode_model_info,
-    decode_output,
     decode_request,
     encode_adapter_table,
     encode_model_info,
-    encode_output,
     encode_request,
     is_model_info_query,
     model_info_query,
@@ -61,6 +66,7 @@ __all__ = [
     "encode_adapter_table",
     "DEFAULT_DRY_BREAKERS",
     "DRAIN_SIGNAL",
+    "EARLY_STOPPING",
     "INPUTS",
     "INPUTS_BY_NAME",
     "MODEL_NAME",
@@ -74,6 +80,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "GuardParams",
+    "Hypothesis",
     "Logprob",
     "ModelInfo",
     "RequestOutput",

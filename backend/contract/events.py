@@ -47,6 +47,19 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class Hypothesis:
+    """One result of a beam search. Its tokens end as a plain generation's output does (a
+    stopping token counted in the final event, not emitted); `logprobs`, when asked, are
+    aligned with them; `score` is transformers' sum of the search's log-probs over the
+    generated length ** length_penalty (the stopping token counted)."""
+
+    token_ids: list[int]
+    score: float
+    finish_reason: FinishReason
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
 class FinalEvent:
     """How a generation ended."""
 
@@ -72,7 +85,8 @@ class RequestOutput:
 
     `logprobs` (when asked) is aligned with `token_ids`. The first output of a request
     also carries its prompt's logprobs (when asked) and whether its output starts
-    inside a thinking block (the prompt opened one); the last carries `final`.
+    inside a thinking block (the prompt opened one); the last carries `final`. A beam
+    search sends no tokens until it ends: its last output carries `hypotheses`, best first.
     """
 
     request_id: str
@@ -81,6 +95,7 @@ class RequestOutput:
     prompt_logprobs: list[Logprob] | None = None
     starts_in_thinking: bool | None = None
     final: FinalEvent | None = None
+    hypotheses: list[Hypothesis] | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,4 +110,6 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         if later.starts_in_thinking is not None:
             self.starts_in_thinking = later.starts_in_thinking
+        if later.hypotheses is not None:
+            self.hypotheses = later.hypotheses
         self.final = later.final

@@ -23,6 +23,15 @@ class ModelInfo:
     tool_parser: str = "hermes"  # the tool-call format (openai_frontend.parsing.tools)
     tool_call_start: str = ""  # the text that opens tool calls, and the one that closes a call
     tool_call_end: str = ""
+    max_beams: int = 8  # num_beams a request may ask for (MAX_BEAMS)
+    # the deployment's beam search defaults (MODEL.toml [beams]) by contract name:
+    # num_beams, length_penalty, early_stopping; applied to a request that leaves them out
+    beam_defaults: dict[str, float | int | str] = field(default_factory=dict)
+    # a translation model's languages: FLORES-200 code -> its id (src_lang_id / tgt_lang_id);
+    # empty for a model that does not translate
+    languages: dict[str, int] = field(default_factory=dict)
+    src_lang: str = ""  # the deployment's default source and target languages (MODEL.toml [translation])
+    tgt_lang: str = ""
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

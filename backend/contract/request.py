@@ -23,15 +23,11 @@ from backend.contract.errors import ContractError
 DEFAULT_DRY_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
 MAX_TOP_LOGPROBS = 20
 
+EARLY_STOPPING = ("false", "true", "never")  # transformers' False, True and "never"
+
 # Fields of the seed's request whose feature is not built yet: refused unless at their default.
-_BEAMS = "translation with beam search"
 UNBUILT: dict[str, str] = {
     "session_hash": "prefix-aware routing",
-    "src_lang_id": _BEAMS,
-    "tgt_lang_id": _BEAMS,
-    "num_beams": _BEAMS,
-    "length_penalty": _BEAMS,
-    "early_stopping": _BEAMS,
     "images": "vision inputs",
     "videos": "vision inputs",
 }
@@ -182,13 +178,17 @@ class GenerationRequest:
     prediction_tokens: tuple[int, ...] = ()  # OpenAI's Predicted Outputs: the expected output, tokenized
     # the LoRA adapter (backend.contract.adapters): 0 none, N the adapter in slot N, -1 the active one
     adapter_slot: int = 0
-    # not built yet (UNBUILT): refused unless at the default
-    session_hash: str = ""
+    # beam search (backend.beams), transformers' semantics: num_beams 1 is no search;
+    # the final output carries the num_return_sequences best hypotheses, best first
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: str = "false"  # EARLY_STOPPING
+    # a translation model's languages (token ids of their codes; 0: the deployment's default)
     src_lang_id: int = 0
     tgt_lang_id: int = 0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool = False
+    # not built yet (UNBUILT): refused unless at the default
+    session_hash: str = ""
     images: tuple[bytes, ...] = ()
     videos: tuple[bytes, ...] = ()
 
@@ -196,7 +196,12 @@ class GenerationRequest:
         """Raise ContractError naming the first bad field. With `vocab_size`, token ids
         (prompt and logit bias) are checked against the vocabulary; with `max_model_len`,
         the prompt against the context, which must also hold one generated token."""
-        checks = (*self._checks(vocab_size, max_model_len), *self.sampling.checks(vocab_size), *self.guards.checks())
+        checks = (
+            *self._checks(vocab_size, max_model_len),
+            *self.sampling.checks(vocab_size),
+            *self.guards.checks(),
+            *self._beam_checks(),
+        )
         for name, ok, why in checks:
             if not ok:
                 raise ContractError(name, why)
@@ -233,5 +238,40 @@ class GenerationRequest:
             unset = getattr(self, name) == default
             yield (name, unset, f"{feature} is not supported by this server yet; leave it out or set it to {default!r}")
 
+    def _beam_checks(self) -> Iterator[Check]:
+        yield ("num_beams", self.num_beams >= 1, "must be at least 1 (1: no beam search)")
+        fits = 1 <= self.num_return_sequences <= self.num_beams
+        yield ("num_return_sequences", fits, f"must be in [1, num_beams = {self.num_beams}]")
+        yield ("early_stopping", self.early_stopping in EARLY_STOPPING, f"must be one of {EARLY_STOPPING}")
+        if self.num_beams == 1:
+            for name in ("length_penalty", "early_stopping"):
+                unset = getattr(self, name) == _SEARCH_DEFAULTS[name]
+                yield (name, unset, "applies to beam search only: set num_beams above 1, or leave it out")
+            return
+        yield ("max_tokens", self.sampling.max_tokens != 0, "must be at least 1 for a beam search")
+        for name, ok in self._beam_conflicts():
+            yield (name, ok, "cannot apply to beam search (num_beams > 1): leave it out")
+
+    def _beam_conflicts(self) -> Iterator[tuple[str, bool]]:
+        """What a beam search cannot honour: it is deterministic (temperature 0), scores
+        the raw distribution (no sampler or penalty), follows no grammar, drafts nothing
+        and runs no thinking or tool-call guard."""
+        s, g = self.sampling, self.guards
+        yield ("temperature", s.temperature == 0.0)
+        for name in _SAMPLER_FIELDS:
+            yield (name, getattr(s, name) == getattr(_SAMPLING_DEFAULTS, name))
+        yield ("grammar_kind", not self.grammar_kind)
+        yield ("prediction_tokens", not self.prediction_tokens)
+        yield ("enable_thinking", not g.enable_thinking)
+        yield ("thinking_budget", g.thinking_budget is None)
+        yield ("require_tool_call", not g.require_tool_call)
+        yield ("suppress_tool_call", not g.suppress_tool_call)
+
 
 _DEFAULTS = {name: getattr(GenerationRequest([]), name) for name in UNBUILT}
+_SEARCH_DEFAULTS = {name: getattr(GenerationRequest([]), name) for name in ("length_penalty", "early_stopping")}
+_SAMPLING_DEFAULTS = SamplingParams()
+_SAMPLER_FIELDS = (
+    "top_k", "top_p", "min_p", "top_n_sigma", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "dry_multiplier", "lz_penalty",
+)  # fmt: skip

@@ -77,13 +77,16 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("disable_mtp", "bool"),
     TensorSpec("prediction_tokens", "int32", LIST),
     TensorSpec("adapter_slot", "int32"),  # backend.contract.adapters: 0 base, N an adapter, -1 the active one
-    # not built yet (request.UNBUILT): refused unless at the default
-    TensorSpec("session_hash", "bytes"),
+    # beam search
+    TensorSpec("num_beams", "int32"),
+    TensorSpec("num_return_sequences", "int32"),
+    TensorSpec("length_penalty", "float64"),  # exact: scores divide by length ** length_penalty
+    TensorSpec("early_stopping", "bytes"),  # "false" | "true" | "never"
+    # a translation model's languages
     TensorSpec("src_lang_id", "int32"),
     TensorSpec("tgt_lang_id", "int32"),
-    TensorSpec("num_beams", "int32"),
-    TensorSpec("length_penalty", "float32"),
-    TensorSpec("early_stopping", "bool"),
+    # not built yet (request.UNBUILT): refused unless at the default
+    TensorSpec("session_hash", "bytes"),
     TensorSpec("images", "bytes", LIST, raw=True),  # one encoded image per element
     TensorSpec("videos", "bytes", LIST, raw=True),
     # SamplingParams
@@ -139,6 +142,11 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("prompt_top_logprob_ids", "int32", MATRIX),
     TensorSpec("prompt_top_logprob_values", "float32", MATRIX),
     TensorSpec("starts_in_thinking", "bool"),  # once, with the first tokens
+    # a beam search's final response: its hypotheses, best first, their tokens one after
+    # another in token_ids (logprobs aligned), split by these lengths
+    TensorSpec("hypothesis_lengths", "int32", LIST),
+    TensorSpec("hypothesis_scores", "float32", LIST),
+    TensorSpec("hypothesis_finish_reasons", "bytes", LIST),
     # FinalEvent, on the last response; a field that is None is left out
     TensorSpec("finish_reason", "bytes"),
     TensorSpec("finish_guard", "bytes"),

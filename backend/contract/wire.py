@@ -3,7 +3,7 @@
 `encode_request` leaves out every field at its default (an absent input means the
 default); `decode_request` fills the defaults in and validates, so model.py gets a
 request the engine can trust. `encode_output` / `decode_output` carry a
-`RequestOutput` in one response; `apply_inputs` sets fields by their contract names
+`RequestOutput` in one response (backend.contract.output_wire); `apply_inputs` sets fields by their contract names
 (the frontend forwards extension fields sent under those names).
 """
 
@@ -11,26 +11,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
 from backend.contract.adapters import AdapterCommand, AdapterTable
 from backend.contract.errors import ContractError
-from backend.contract.events import FinalEvent, FinishGuard, FinishReason, Logprob, RequestOutput
 from backend.contract.model_info import ModelInfo
+from backend.contract.output_wire import Arrays, output_array
 from backend.contract.request import GenerationRequest, GuardParams, SamplingParams
 from backend.contract.tensors import (
     ADAPTER_COMMAND,
     INPUTS_BY_NAME,
     MODEL_INFO_QUERY,
-    OUTPUTS_BY_NAME,
     REQUEST_INPUTS,
     TensorSpec,
 )
 
-Arrays = Mapping[str, np.ndarray | None]
 _PARTS = {"": GenerationRequest, "sampling": SamplingParams, "guards": GuardParams}
 _DEFAULTS = {
     spec.name: getattr(GenerationRequest([]) if not spec.part else _PARTS[spec.part](), spec.name)
@@ -147,100 +144,6 @@ def _bytes_value(spec: TensorSpec, item: Any) -> bytes | str:
         raise ContractError(spec.name, f"must be UTF-8 text: {exc}") from None
 
 
-# -- outputs -----------------------------------------------------------------------
-
-
-def _output(name: str, values: Any) -> np.ndarray:
-    return np.array(values, dtype=OUTPUTS_BY_NAME[name].numpy_dtype)
-
-
-def encode_output(out: RequestOutput) -> dict[str, np.ndarray]:
-    """One response's arrays: the tokens, their logprobs when asked, and on the first
-    and last output what rides there."""
-    arrays = {"token_ids": _output("token_ids", out.token_ids)}
-    if out.logprobs is not None:
-        arrays.update(_logprob_arrays("token_logprobs", "top_logprob", out.logprobs))
-    if out.prompt_logprobs is not None:
-        arrays.update(_logprob_arrays("prompt_logprobs", "prompt_top_logprob", out.prompt_logprobs))
-    if out.starts_in_thinking is not None:
-        arrays["starts_in_thinking"] = _output("starts_in_thinking", [out.starts_in_thinking])
-    if out.final is not None:
-        arrays.update(_final_arrays(out.final))
-    return arrays
-
-
-def _logprob_arrays(values_name: str, top_prefix: str, entries: list[Logprob]) -> dict[str, np.ndarray]:
-    """[n] logprobs (None as NaN) and, when any entry has alternatives, [n, k] ids and
-    values (a shorter row padded with -1 / NaN)."""
-    arrays = {values_name: _output(values_name, [math.nan if e.logprob is None else e.logprob for e in entries])}
-    k = max((len(e.top) for e in entries), default=0)
-    if k:
-        pad = [(-1, math.nan)] * k
-        rows = [(e.top + pad)[:k] for e in entries]
-        arrays[f"{top_prefix}_ids"] = _output(f"{top_prefix}_ids", [[t for t, _ in row] for row in rows])
-        arrays[f"{top_prefix}_values"] = _output(f"{top_prefix}_values", [[v for _, v in row] for row in rows])
-    return arrays
-
-
-def _final_arrays(final: FinalEvent) -> dict[str, np.ndarray]:
-    arrays = {}
-    for f in fields(FinalEvent):
-        value = getattr(final, f.name)
-        if value is None:
-            continue
-        if isinstance(value, FinishReason | FinishGuard):
-            value = value.value.encode()
-        arrays[f.name] = _output(f.name, [value])
-    return arrays
-
-
-def decode_output(arrays: Arrays, prompt_tokens: list[int], final: bool) -> RequestOutput:
-    """A response's arrays -> RequestOutput; `final`: the response carries Triton's final flag."""
-    tokens = arrays.get("token_ids")
-    token_ids = tokens.reshape(-1).tolist() if tokens is not None else []
-    starts = arrays.get("starts_in_thinking")
-    return RequestOutput(
-        request_id="",
-        token_ids=token_ids,
-        logprobs=_logprob_entries(arrays, token_ids, "token_logprobs", "top_logprob"),
-        prompt_logprobs=_logprob_entries(arrays, prompt_tokens, "prompt_logprobs", "prompt_top_logprob"),
-        starts_in_thinking=bool(starts.reshape(-1)[0]) if starts is not None else None,
-        final=_final_event(arrays) if final else None,
-    )
-
-
-def _logprob_entries(arrays: Arrays, token_ids: list[int], values_name: str, top_prefix: str):
-    values = arrays.get(values_name)
-    if values is None:
-        return None
-    ids, tops = arrays.get(f"{top_prefix}_ids"), arrays.get(f"{top_prefix}_values")
-    entries = []
-    for i, value in enumerate(values.reshape(-1).tolist()):
-        top = []
-        if ids is not None:
-            top = [(t, v) for t, v in zip(ids[i].tolist(), tops[i].tolist(), strict=True) if t >= 0]
-        token = token_ids[i] if i < len(token_ids) else -1
-        entries.append(Logprob(token, None if math.isnan(value) else value, top))
-    return entries
-
-
-def _final_event(arrays: Arrays) -> FinalEvent:
-    values = {}
-    for f in fields(FinalEvent):
-        array = arrays.get(f.name)
-        if array is None or not array.size:
-            continue
-        value = array.reshape(-1)[0]
-        values[f.name] = value.decode() if isinstance(value, bytes) else value.item()
-    if "finish_reason" not in values or "finish_guard" not in values:
-        raise ContractError("finish_reason", "the final response carries no finish_reason / finish_guard")
-    values["finish_reason"] = FinishReason(values["finish_reason"])
-    for name in ("finish_guard", "thinking_guard"):
-        if name in values:
-            values[name] = FinishGuard(values[name])
-    return FinalEvent(**values)
-
-
 # -- the model-info query -------------------------------------------------------------
 
 
@@ -258,7 +161,7 @@ def is_model_info_query(arrays: Arrays) -> bool:
 
 
 def encode_model_info(info: ModelInfo) -> dict[str, np.ndarray]:
-    return {"model_info": _output("model_info", [info.encode().encode()])}
+    return {"model_info": output_array("model_info", [info.encode().encode()])}
 
 
 def decode_model_info(arrays: Arrays) -> ModelInfo:
@@ -287,7 +190,7 @@ def decode_adapter_command(arrays: Arrays) -> AdapterCommand | None:
 
 
 def encode_adapter_table(table: AdapterTable) -> dict[str, np.ndarray]:
-    return {"adapters": _output("adapters", [table.encode().encode()])}
+    return {"adapters": output_array("adapters", [table.encode().encode()])}
 
 
 def decode_adapter_table(arrays: Arrays) -> AdapterTable:

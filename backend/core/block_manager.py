@@ -19,7 +19,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from backend.core.sequence import Sequence
+from backend.core.sequence import EncoderState, Sequence
 
 
 @dataclass(slots=True, eq=False)
@@ -40,8 +40,12 @@ class KVEvent:
     block_hash: bytes
 
 
-def _root_hash(tenant: str, adapter_version: int) -> bytes:
-    return hashlib.sha256(f"root\0{tenant}\0{adapter_version}".encode()).digest()[:16]
+def _root_hash(seq: Sequence) -> bytes:
+    """A chain's root: the tenant, the adapter version and, for a translation, its source
+    (the decoder's tokens mean nothing without it)."""
+    version = seq.adapter.version if seq.adapter is not None else 0
+    root = hashlib.sha256(f"root\0{seq.request.lookup_tenant}\0{version}".encode()).digest()[:16]
+    return chain_hash(root, seq.encoder.tokens) if seq.encoder is not None else root
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -77,11 +81,7 @@ class BlockManager:
 
     def _hash_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
         """Extend seq.block_hashes over the full blocks among its first `upto_tokens`."""
-        parent = (
-            seq.block_hashes[-1]
-            if seq.block_hashes
-            else _root_hash(seq.request.lookup_tenant, seq.adapter.version if seq.adapter is not None else 0)
-        )
+        parent = seq.block_hashes[-1] if seq.block_hashes else _root_hash(seq)
         bs = self.block_size
         for i in range(len(seq.block_hashes), upto_tokens // bs):
             parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
@@ -169,6 +169,21 @@ class BlockManager:
         copy = self._take_free_block().block_id
         child.block_table.append(copy)
         return parent.block_table[num_full], copy
+
+    def allocate_encoder(self, encoder: EncoderState) -> bool:
+        """Blocks for a source's encoder states (once; False, nothing changed, if the pool is short)."""
+        needed = self.blocks_needed(len(encoder.tokens))
+        if encoder.blocks or needed > len(self._free):
+            return bool(encoder.blocks)
+        encoder.blocks = [self._take_free_block().block_id for _ in range(needed)]
+        return True
+
+    def free_encoder(self, encoder: EncoderState) -> None:
+        """Release a source's encoder blocks; it is encoded again if it runs again."""
+        for block_id in reversed(encoder.blocks):
+            self.blocks[block_id].ref_count = 0
+            self._free[block_id] = self.blocks[block_id]
+        encoder.blocks, encoder.encoded = [], False
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first; cached ones stay reusable until evicted."""

@@ -30,6 +30,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: str = ""
     active_lora: str = ""
+    max_beams: int = 8  # num_beams a request may ask for
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -52,6 +53,7 @@ class EngineConfig:
             ("MAX_LORAS", "max_loras"),
             ("MAX_LORA_RANK", "max_lora_rank"),
             ("MAX_CPU_LORAS", "max_cpu_loras"),
+            ("MAX_BEAMS", "max_beams"),
         ):
             value = opt_int(name)
             if value is None:

@@ -12,11 +12,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from backend.beams.group import BeamGroup
 from backend.contract import ContractError, GenerationRequest, ModelInfo, RequestOutput
 from backend.core.block_manager import BlockManager
 from backend.core.config import EngineConfig
 from backend.core.scheduler import Scheduler
 from backend.core.sequence import Sequence
+from backend.core.translation import Translation
 from backend.guards.policy import Guards
 from backend.guards.thinking import Markers
 from backend.guards.tools import ToolGuards
@@ -61,7 +63,9 @@ class LLMEngine:
         tools = ToolGuards.for_model(self.settings.tools.call_tags, self.tokenizer)
         self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
         self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len, self.runner)
-        self.adapters = AdapterRegistry.for_engine(config, mc)  # None: MAX_LORAS=0, no adapters
+        self.translation = Translation.for_model(mc, self.tokenizer, self.settings)  # None: decoder-only
+        # None: MAX_LORAS=0 (no adapters), or a translation model (adapters are for decoder-only models)
+        self.adapters = AdapterRegistry.for_engine(config, mc) if self.translation is None else None
         self.scheduler = Scheduler(
             self.block_manager,
             self.guards,
@@ -87,7 +91,15 @@ class LLMEngine:
             tool_parser=tools.parser,
             tool_call_start=start,
             tool_call_end=end,
+            max_beams=self.max_beams,
+            beam_defaults=self.settings.beams.defaults(),
+            **(self.translation.model_info() if self.translation is not None else {}),
         )
+
+    @property
+    def max_beams(self) -> int:
+        """num_beams a request may ask for: MAX_BEAMS, and the rows one step may hold."""
+        return min(self.config.max_beams, self.config.max_num_seqs)
 
     # -- requests -----------------------------------------------------------
 
@@ -130,12 +142,22 @@ class LLMEngine:
         if prepared is None:
             prepared = self.prepare(request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence.of(request_id, request, arrival, self.guards.admit(request, arrival, prepared.grammar))
+        encoder = self.translation.encoder_state(request) if self.translation is not None else None
+        if encoder is None and (request.src_lang_id or request.tgt_lang_id):
+            field = "src_lang_id" if request.src_lang_id else "tgt_lang_id"
+            raise ContractError(field, "this model does not translate")
+        guard_state = self.guards.admit(request, arrival, prepared.grammar)
+        seq = Sequence.of(request_id, request, arrival, guard_state, encoder)
         seq.adapter, seq.adapter_weights = prepared.adapter, prepared.adapter_weights
         params = request.sampling
         if params.dry_multiplier and self.vocab is not None:
             seq.dry_breaker_ids = self.vocab.ids_containing(params.dry_sequence_breakers)
-        seq.spec = self.speculator.admit(request)
+        if request.num_beams > 1:
+            if request.num_beams > self.max_beams:
+                raise ContractError("num_beams", f"must be at most {self.max_beams} on this server (MAX_BEAMS)")
+            BeamGroup.start(seq, self.guards.stop_ids(params), self.eos_token_ids, self.max_model_len)
+        elif encoder is None:
+            seq.spec = self.speculator.admit(request)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -159,6 +181,7 @@ class LLMEngine:
         starts = [item.seq.num_computed_tokens for item in plan.scheduled]
         result = self.runner.execute(plan.scheduled)
         outputs = self.scheduler.update(plan, result)
+        self.runner.copy_blocks(self.scheduler.take_block_copies())  # forked beams' KV, before the next forward
         self.speculator.keep_hidden(plan.scheduled, starts, result.hidden_states, result.query_start)
         self.speculator.observe(plan.num_tokens, time.perf_counter() - start)  # the cost model's evidence
         return outputs

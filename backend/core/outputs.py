@@ -31,7 +31,8 @@ def final_event(seq: Sequence, now: float) -> FinalEvent:
     return FinalEvent(
         finish_reason=seq.finish_reason,
         finish_guard=seq.finish_guard,
-        num_prompt_tokens=seq.num_prompt_tokens,
+        # a translation's prompt is its source, as the encoder read it
+        num_prompt_tokens=seq.num_prompt_tokens if seq.encoder is None else len(seq.encoder.tokens),
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens or 0,
         num_reasoning_tokens=phase.thinking_tokens,

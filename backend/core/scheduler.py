@@ -7,7 +7,8 @@ decode costs one token, an unfinished prompt a chunk of it), then waiting sequen
 are admitted while the budget, `max_num_seqs` and the block pool allow. When the pool
 runs dry for a running sequence, the most recently admitted one is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (its
-cached prefix blocks usually survive, so the recompute is mostly cache hits).
+cached prefix blocks usually survive, so the recompute is mostly cache hits). A beam
+request's rows are one unit throughout (backend.core.beam_scheduling).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import collections
 import time
 
 from backend.contract import ContractError, FinishGuard, FinishReason, Logprob, RequestOutput
+from backend.core.admission import Admission
+from backend.core.beam_scheduling import BeamScheduling
 from backend.core.block_manager import BlockManager
 from backend.core.outputs import final_event, token_output
 from backend.core.sequence import Sequence, SequenceStatus
@@ -25,7 +28,7 @@ from backend.lora.lanes import LoraLanes
 from backend.speculation.speculator import Speculator
 
 
-class Scheduler:
+class Scheduler(Admission, BeamScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -46,6 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._ended: list[Sequence] = []  # finished between steps (abort, deadline): final next update
+        self.block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks (take_block_copies)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -75,15 +79,24 @@ class Scheduler:
         self._ended.append(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason, guard: FinishGuard) -> None:
-        seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.finish_guard = reason, guard
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+        if seq in self.waiting:
             self.waiting.remove(seq)
-        self._drop_lane(seq)
-        self.block_manager.free(seq)
+        for row in seq.beam.rows if seq.beam is not None else [seq]:
+            row.status = SequenceStatus.FINISHED
+            if row in self.running:
+                self.running.remove(row)
+            self._drop_lane(row)
+            self.block_manager.free(row)
+        if seq.encoder is not None:
+            self.block_manager.free_encoder(seq.encoder)
         del self.requests[seq.request_id]
+
+    def _final_output(self, seq: Sequence, now: float) -> RequestOutput:
+        final = final_event(seq, now)
+        if seq.beam is not None:
+            return seq.beam.output(final)
+        return RequestOutput(seq.request_id, [], final=final)
 
     # -- one step: schedule ---------------------------------------------------
 
@@ -111,57 +124,23 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.beam is not None:
+                taken = self._schedule_group(seq.beam, out, budget)
+                if taken is None:
+                    return budget
+                budget -= taken
+                i += len(seq.beam.rows)
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+                if self._preempt_last(out) is seq:
+                    if not self.running:  # alone, and the pool cannot hold it (a translation's source
+                        self._end(seq, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)  # takes blocks too)
                     return budget
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
         return budget
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit in arrival order; a sequence whose adapter finds no free lane waits
-        (later ones may pass it), one that finds no blocks stops the admissions."""
-        bm = self.block_manager
-        passed: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._take_lane(seq):
-                passed.append(self.waiting.popleft())
-                continue
-            # prompt logprobs need every prompt position computed: no prefix hits
-            hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
-            num_hit_tokens = len(hits) * bm.block_size
-            num_new = min(seq.num_tokens - num_hit_tokens, budget)
-            if not bm.allocate_slots(seq, num_new, hits):
-                self._drop_lane(seq)
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens = num_hit_tokens
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = num_hit_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(passed))
-        return budget
-
-    def _take_lane(self, seq: Sequence) -> bool:
-        """Whether the sequence can run: no adapter, or its version placed in a lane."""
-        if seq.adapter is None or seq.lora_lane is not None:
-            return True
-        seq.lora_lane = self.lora.acquire(seq.adapter, seq.adapter_weights)
-        return seq.lora_lane is not None
-
-    def _drop_lane(self, seq: Sequence) -> None:
-        if seq.lora_lane is not None:
-            self.lora.release(seq.lora_lane)
-            seq.lora_lane = None
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Drafts for the sequences that sample this step, from the budget the step left,
@@ -187,11 +166,14 @@ class Scheduler:
             item.num_new_tokens += len(item.draft_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
-        self._drop_lane(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        for row in seq.beam.rows if seq.beam is not None else [seq]:
+            self._drop_lane(row)
+            self.block_manager.free(row)
+            row.num_computed_tokens = 0
+            row.status = SequenceStatus.WAITING
+        if seq.encoder is not None:
+            self.block_manager.free_encoder(seq.encoder)
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     # -- one step: update from what it computed ---------------------------------
@@ -200,34 +182,41 @@ class Scheduler:
         """The step's outputs: the finals of sequences ended since the last update, then
         one per sequence that sampled a token."""
         now = time.monotonic()
-        outputs = [RequestOutput(seq.request_id, [], final=final_event(seq, now)) for seq in self._ended]
+        outputs = [self._final_output(seq, now) for seq in self._ended]
         self._ended.clear()
         if result is None:
             return outputs
-        completing = plan.completing  # before the sequences advance
+        completing = list(zip(plan.completing, result.first_rows, strict=True))  # before the sequences advance
+        for item in plan.scheduled:  # the runner ran the encoder of each source new to it
+            if item.seq.encoder is not None:
+                item.seq.encoder.encoded = True
         for seq, start, computed in result.prompt_logprobs:
             del seq.prompt_logprobs[start:]  # a preempted prompt is recomputed from its start
             seq.prompt_logprobs.extend(computed)
         for item in plan.scheduled:  # drafts are computed, not committed: they wait for _verify
             item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_tokens)
-        outputs += self._verify(completing, result, now)
+        plain = [(item, row) for item, row in completing if item.seq.beam is None]
+        outputs += self._verify(plain, result, now)
+        outputs += self._advance_beams([pair for pair in completing if pair[0].seq.beam is not None], result, now)
         for item in plan.scheduled:
             if not item.seq.is_finished:
                 self.block_manager.cache_full_blocks(item.seq)
         return outputs
 
-    def _verify(self, completing: list[ScheduledSeq], result: StepResult, now: float) -> list[RequestOutput]:
+    def _verify(self, items: list[tuple[ScheduledSeq, int]], result: StepResult, now: float) -> list[RequestOutput]:
         """Sample each completing sequence depth by depth: depth d samples the position
         after its d-th draft with the sequence as it stands (seed index, penalties'
         history, grammar and guards all past the tokens accepted so far), appends the
         token, and goes one deeper only when that token is the draft there. So every
-        token is the one plain decoding would have sampled at its position."""
+        token is the one plain decoding would have sampled at its position. `items`: the
+        completing sequences and their first logits rows."""
+        completing = [item for item, _ in items]
         outputs: list[RequestOutput | None] = [None] * len(completing)
         appended: list[list[int]] = [[] for _ in completing]
         active, depth = list(range(len(completing))), 0
         while active:
             rows = [self.guards.sampling_row(completing[i].seq) for i in active]
-            tokens, logprobs = result.sample([result.first_rows[i] + depth for i in active], rows)
+            tokens, logprobs = result.sample([items[i][1] + depth for i in active], rows)
             still = []
             for i, token, logprob in zip(active, tokens, logprobs, strict=True):
                 seq, drafts = completing[i].seq, completing[i].draft_tokens

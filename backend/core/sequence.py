@@ -15,10 +15,26 @@ from typing import TYPE_CHECKING
 from backend.contract import FinishGuard, FinishReason, GenerationRequest, Logprob, SamplingParams
 
 if TYPE_CHECKING:
+    from backend.beams.group import BeamGroup
     from backend.guards.policy import GuardState
     from backend.lora.peft_format import LoraWeights
     from backend.lora.registry import AdapterVersion
     from backend.speculation.speculator import SpecState
+
+
+@dataclass(slots=True, eq=False)
+class EncoderState:
+    """A translation request's source, for an encoder-decoder model: the encoder's input
+    ([src_lang] + source + [EOS]), the target language forced as the first generated token,
+    and the blocks holding the encoder's keys and values in every decoder layer (the block
+    manager's), written by the runner the first step the request runs (`encoded`). A beam
+    request's rows share one."""
+
+    tokens: list[int]
+    tgt_lang_id: int
+    decoder_start_token_id: int
+    blocks: list[int] = field(default_factory=list)
+    encoded: bool = False
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +63,8 @@ class Sequence:
     adapter: AdapterVersion | None = None  # the LoRA version it was admitted with (None: the base model)
     adapter_weights: LoraWeights | None = None  # that version's weights, held while it lives
     lora_lane: int | None = None  # the lane holding its adapter while it runs (backend.lora.lanes)
+    beam: BeamGroup | None = None  # a beam request's rows all point at their group (backend.beams.group)
+    encoder: EncoderState | None = None  # an encoder-decoder model's source (None: a decoder-only model)
     # scheduling state (the scheduler's and the block manager's)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -63,9 +81,11 @@ class Sequence:
     prompt_logprobs: list[Logprob] | None = None
 
     @classmethod
-    def of(cls, request_id: str, request: GenerationRequest, arrival_time: float, guard_state: GuardState) -> Sequence:
-        tokens = list(request.prompt_tokens)
-        seq = cls(request_id, request, arrival_time, guard_state, tokens, len(tokens))
+    def of(cls, request_id: str, request: GenerationRequest, arrival_time: float, guard_state: GuardState,
+           encoder: EncoderState | None = None) -> Sequence:  # fmt: skip
+        """The request's sequence; a translation's (`encoder`) starts with the decoder's start token."""
+        tokens = list(request.prompt_tokens) if encoder is None else [encoder.decoder_start_token_id]
+        seq = cls(request_id, request, arrival_time, guard_state, tokens, len(tokens), encoder=encoder)
         if request.sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = []
         return seq

@@ -57,6 +57,8 @@ class StepResult:
     only once it knows which drafts the depths before it accepted."""
 
     sample: Sample
+    # logits rows -> their raw log_softmax [rows, vocab] float32 (what a beam search scores)
+    log_probs: Callable[[list[int]], Any] | None = None
     first_rows: list[int] = field(default_factory=list)  # per completing sequence, in order
     # (sequence, first prompt position of the chunk, logprobs of prompt tokens start+1 ..)
     prompt_logprobs: list[tuple[Sequence, int, list[Logprob]]] = field(default_factory=list)

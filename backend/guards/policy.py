@@ -91,9 +91,16 @@ class Guards:
         history = seq.token_ids if params.uses_penalties else ()
         masked = self.tools.masked(seq, stop_ids)
         return SamplingRow(
-            params, seq.num_output_tokens, banned, history, masked, state.grammar, state.phase.next_forced(),
+            params, seq.num_output_tokens, banned, history, masked, state.grammar, self._forced(seq),
             seq.dry_breaker_ids,
         )  # fmt: skip
+
+    @staticmethod
+    def _forced(seq: Sequence) -> int | None:
+        """A translation's first token is its target language; then what thinking forces."""
+        if seq.encoder is not None and seq.num_output_tokens == 0:
+            return seq.encoder.tgt_lang_id
+        return seq.guard_state.phase.next_forced()
 
     def valid_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """The drafts up to the first one the sequence's grammar would refuse; the grammar

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
+from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
+from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
 
 SUPPORTED_ARCHITECTURES = (
@@ -65,9 +67,18 @@ def load_model_config(path: str | Path) -> ModelConfig:
     )
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The folder's model; its MTP layers, when the checkpoint ships them, in `model.mtp`."""
+def is_m2m100(path: str | Path) -> bool:
+    """Whether the folder holds an NLLB / M2M100 (encoder-decoder) checkpoint."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == M2M100_ARCHITECTURE
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM | M2M100ForTranslation:
+    """The folder's model; its MTP layers, when the checkpoint ships them, in `model.mtp`.
+    An NLLB / M2M100 folder gives M2M100ForTranslation (backend/runner/models/m2m100_decoder.py)."""
     folder = Path(path)
+    if is_m2m100(folder):
+        return M2M100ForTranslation.load(folder, dtype, device)
     cfg = load_model_config(folder)
     model = LlamaForCausalLM(cfg, dtype, device)
     mtp_weights: list[tuple[str, torch.Tensor]] = []

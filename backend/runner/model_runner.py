@@ -17,6 +17,7 @@ from backend.lora.lanes import LoraLanes, lora_batch
 from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv_block_bytes
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
+from backend.runner.models.m2m100_cross import CrossPlan, build_cross_plan, cross_slots
 from backend.sampling import logprobs as lp
 from backend.sampling.sampler import SamplingRow, sample
 
@@ -54,8 +55,11 @@ class ModelRunner:
         self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
-        # the adapters' lanes (backend.lora.lanes), when the server serves adapters
-        self.lora = LoraLanes(config.max_loras, mc, self.dtype, self.device) if config.max_loras else None
+        # a translation model (M2M100): its requests' encoders run in the step that admits them
+        self.encoder_decoder = bool(getattr(mc, "is_encoder_decoder", False))
+        # the adapters' lanes (backend.lora.lanes), when the server serves adapters (decoder-only models)
+        serves_lora = config.max_loras and not self.encoder_decoder
+        self.lora = LoraLanes(config.max_loras, mc, self.dtype, self.device) if serves_lora else None
 
     def _load_draft(self, config: EngineConfig) -> DraftModelRunner | None:
         if not config.spec_draft_model or config.speculative == "off":
@@ -85,7 +89,8 @@ class ModelRunner:
         sources = torch.tensor([s for s, _ in copies], device=self.device)
         destinations = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
-            cache[:, destinations] = cache[:, sources]
+            for half in cache:  # keys, then values: indexing a contiguous [num_blocks, ...] is a small copy
+                half[destinations] = half[sources]  # (indexing dim 1 of the whole cache rewrote all of it)
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         spans = []
@@ -105,7 +110,10 @@ class ModelRunner:
         """Forward the step: the logits rows of the completing sequences (one, plus one per
         draft) and the prompt logprobs asked for; the rows are sampled on demand."""
         batch = self.build_batch(scheduled)
-        hidden = self.model(batch, self.kv_caches)
+        if self.encoder_decoder:
+            hidden = self.model(batch, self.kv_caches, self._encode(scheduled, batch))
+        else:
+            hidden = self.model(batch, self.kv_caches)
         spans = lp.prompt_logprob_spans(scheduled, batch.query_start)
         prompt = lp.prompt_logprobs(hidden, spans, self.model.compute_logits) if spans else []
         prompt_logprobs = [(s.seq, s.start, v) for s, v in zip(spans, prompt, strict=True)]
@@ -115,7 +123,24 @@ class ModelRunner:
             if item.completes:
                 first_rows.append(row)
                 row += 1 + len(item.draft_tokens)
-        return StepResult(partial(_sample_rows, logits), first_rows, prompt_logprobs, hidden, batch.query_start)
+        return StepResult(partial(_sample_rows, logits), partial(_log_probs, logits), first_rows, prompt_logprobs,
+                          hidden, batch.query_start)  # fmt: skip
+
+    def _encode(self, scheduled: list[ScheduledSeq], batch: ForwardBatch) -> CrossPlan:
+        """Run the encoder of each source new this step (a beam request's rows share one),
+        then the step's cross-attention plan over every sequence's encoder states."""
+        for encoder in {id(item.seq.encoder): item.seq.encoder for item in scheduled}.values():
+            if not encoder.encoded:
+                slots = cross_slots(encoder.blocks, len(encoder.tokens), self.block_size, self.device)
+                self.model.encode(encoder.tokens, slots, self.kv_caches)
+        tables = [item.seq.encoder.blocks for item in scheduled]
+        lengths = [len(item.seq.encoder.tokens) for item in scheduled]
+        return build_cross_plan(batch, tables, lengths, self.block_size, self.dtype)
+
+
+@torch.inference_mode()
+def _log_probs(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    return torch.log_softmax(logits[indices].float(), dim=-1)
 
 
 @torch.inference_mode()

@@ -34,6 +34,15 @@ wrong type, is a ValueError naming the key and the file, so a typo never goes un
     [tools]
     parser = "hermes"           # tool-call parser name
 
+    [beams]                     # beam search defaults for requests that leave them out
+    num_beams = 4               # 1: no beam search
+    length_penalty = 1.0
+    early_stopping = "true"     # "true", "false" or "never" (transformers' three rules)
+
+    [translation]               # a translation model's default languages (FLORES-200 codes)
+    src_lang = "eng_Latn"
+    tgt_lang = "fra_Latn"
+
 `ModelSettings.sampling` is a plain dict of only the keys the file gives, by
 SamplingParams field name; the frontend reads it from the running model (ModelInfo)
 and applies each to a chat request that did not set it.
@@ -41,12 +50,13 @@ and applies each to a chat request that did not set it.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from backend.contract import ContractError
+from backend.contract import EARLY_STOPPING, ContractError
 from backend.guards.loops import check_loop_settings
 
 MODEL_SETTINGS_FILE = "MODEL.toml"
@@ -106,11 +116,30 @@ TOOL_CALL_TAGS: dict[str, tuple[str, str]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class BeamSettings:
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: str = "false"
+
+    def defaults(self) -> dict[str, float | int | str]:
+        """The request fields these set, by contract name (ModelInfo.beam_defaults)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+
+@dataclass(frozen=True, slots=True)
+class TranslationSettings:
+    src_lang: str = ""
+    tgt_lang: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     sampling: dict[str, float | int] = field(default_factory=dict)
     reasoning: ReasoningSettings = ReasoningSettings()
     guards: GuardSettings = GuardSettings()
     tools: ToolSettings = ToolSettings()
+    beams: BeamSettings = BeamSettings()
+    translation: TranslationSettings = TranslationSettings()
     source: Path | None = None  # the file these came from; None: built-in defaults
 
     @classmethod
@@ -127,7 +156,7 @@ class ModelSettings:
                 data = tomllib.load(f)
         except tomllib.TOMLDecodeError as error:
             raise ValueError(f"{path}: not valid TOML: {error}") from error
-        tables = {"sampling", "reasoning", "guards", "tools"}
+        tables = {"sampling", "reasoning", "guards", "tools", "beams", "translation"}
         for name, table in data.items():
             if name not in tables:
                 raise ValueError(f"{path}: unknown table [{name}] (known: {', '.join(sorted(tables))})")
@@ -138,6 +167,8 @@ class ModelSettings:
             reasoning=_parse_table(ReasoningSettings, "reasoning", data.get("reasoning", {}), path),
             guards=_parse_table(GuardSettings, "guards", data.get("guards", {}), path),
             tools=_parse_table(ToolSettings, "tools", data.get("tools", {}), path),
+            beams=_parse_table(BeamSettings, "beams", data.get("beams", {}), path),
+            translation=_parse_table(TranslationSettings, "translation", data.get("translation", {}), path),
             source=path,
         )
         _check_values(settings, path)
@@ -145,11 +176,20 @@ class ModelSettings:
 
 
 def find_settings_file(model_dir: Path) -> Path | None:
-    """The model's own MODEL.toml, else the shipped preset named after its folder, else None."""
-    for candidate in (model_dir / MODEL_SETTINGS_FILE, PRESETS_DIR / f"{model_dir.name}.toml"):
-        if candidate.is_file():
-            return candidate
-    return None
+    """The model's own MODEL.toml, else the shipped preset named after its folder, else the
+    one for its architecture (`presets/model_type/<config.json model_type>.toml`), else None."""
+    candidates = [model_dir / MODEL_SETTINGS_FILE, PRESETS_DIR / f"{model_dir.name}.toml"]
+    model_type = _model_type(model_dir)
+    if model_type:
+        candidates.append(PRESETS_DIR / "model_type" / f"{model_type}.toml")
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _model_type(model_dir: Path) -> str:
+    try:
+        return str(json.loads((model_dir / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 def _check_type(value: Any, expected: type, key: str, path: Path) -> Any:
@@ -192,6 +232,9 @@ def _check_values(settings: ModelSettings, path: Path) -> None:
         raise ValueError(f"{path}: reasoning.think_end must be set when reasoning.think_start is")
     if reasoning.thinking_budget < 0:
         raise ValueError(f"{path}: reasoning.thinking_budget must be >= 0")
+    beams = settings.beams
+    if beams.num_beams < 1 or beams.early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"{path}: beams.num_beams must be >= 1 and beams.early_stopping one of {EARLY_STOPPING}")
     if guards.timeout_s < 0:
         raise ValueError(f"{path}: guards.timeout_s must be >= 0")
     if guards.loop_min_count != 0:

@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from backend.contract import GenerationRequest
+from backend.contract import GenerationRequest, ModelInfo
 from openai_frontend.api.chat_protocol import ChatCompletionRequest
+from openai_frontend.api.errors import bad_request
 from openai_frontend.api.logprobs import chat_logprobs
 from openai_frontend.api.request_builder import build_request, validated
 from openai_frontend.api.responses import (
@@ -20,8 +21,10 @@ from openai_frontend.api.responses import (
 )
 from openai_frontend.api.serving import Reply, Serving, json_response
 from openai_frontend.api.sse import ChatChunkFormat
+from openai_frontend.api.translation import source_text, translates
 from openai_frontend.generation.choices import collect_all
 from openai_frontend.generation.deltas import Delta
+from openai_frontend.generation.tokenization import Tokenization
 from openai_frontend.operations.limits import ticket_of
 from openai_frontend.parsing.chat_reasoning import ChatReasoning
 from openai_frontend.parsing.chat_tools import ChatTools
@@ -44,7 +47,7 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
     if body.stream:
         streams = [_parsed(stream, reasoning, tools) for stream in streams]
         fmt = ChatChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
-        return await serving.stream(body, streams, fmt, request, dump)
+        return await serving.stream(body, streams, fmt, request, dump, searching=generation.num_beams > 1)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, reasoning, tools, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
@@ -62,16 +65,9 @@ def _request(
     reply: Reply,
     tenant: str,
 ) -> GenerationRequest:
-    """The conversation through the chat template, and the request for it."""
+    """The conversation's prompt, and the request for it."""
     tokenization, info = serving.tokenization, reply.info
-    if tools is None:
-        prompt = tokenization.encode_chat(messages, None, body.template_kwargs())
-    else:
-        in_template = tokenization.template_has_tools
-        template_messages = tools.template_messages(messages, in_template)
-        prompt = tokenization.encode_chat(
-            template_messages, body.tools if in_template else None, body.template_kwargs()
-        )
+    prompt = _prompt(tokenization, body, messages, tools, info)
     # Stop strings are matched here, so the model streams to let us cancel it early.
     stream = body.stream or bool(body.stop_strings())
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
@@ -82,6 +78,27 @@ def _request(
     if tools is not None:
         tools.constrain(generation, messages)
     return validated(body, generation, info)
+
+
+def _prompt(
+    tokenization: Tokenization,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    tools: ChatTools | None,
+    info: ModelInfo,
+) -> list[int]:
+    """The conversation through the chat template; for a translation model, the text of
+    its last user message alone (api/translation.py)."""
+    if translates(info):
+        if tools is not None:
+            param = "functions" if body.legacy_functions else "tools"
+            raise bad_request(param, f"{param}: a translation model does not call tools")
+        return tokenization.encode_text(source_text(body.messages))
+    if tools is None:
+        return tokenization.encode_chat(messages, None, body.template_kwargs())
+    in_template = tokenization.template_has_tools
+    template_messages = tools.template_messages(messages, in_template)
+    return tokenization.encode_chat(template_messages, body.tools if in_template else None, body.template_kwargs())
 
 
 def _parsed(

@@ -147,6 +147,12 @@ class ChatCompletionRequest(GenerationBody):
     def grammar(self) -> tuple[str, str] | None:
         return self.response_format.grammar() if self.response_format is not None else None
 
+    def forced_tool_param(self) -> str | None:
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        if not forced:
+            return None
+        return "function_call" if self.legacy_functions else "tool_choice"
+
     def forces_thinking(self) -> bool:
         """enable_thinking: a thinking block the template did not open is forced (reasoning models)."""
         return bool(self.template_kwargs().get("enable_thinking"))

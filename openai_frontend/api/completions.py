@@ -8,14 +8,17 @@ from typing import Any
 
 from fastapi import Request, Response
 
+from backend.contract import ModelInfo
 from openai_frontend.api.logprobs import CompletionLogprobs
 from openai_frontend.api.protocol import CompletionRequest
 from openai_frontend.api.request_builder import build_request, validated
 from openai_frontend.api.responses import CompletionChoice, CompletionResponse, guard_fields, usage_of
 from openai_frontend.api.serving import Serving, json_response
 from openai_frontend.api.sse import CompletionChunkFormat
+from openai_frontend.api.translation import translates
 from openai_frontend.generation.choices import collect_all
 from openai_frontend.generation.deltas import Delta
+from openai_frontend.generation.tokenization import Tokenization
 from openai_frontend.operations.limits import ticket_of
 
 
@@ -23,14 +26,14 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     reply = await serving.start(body, "completions", "cmpl")
     info, dump = reply.info, reply.dump
     tokenization = serving.tokenization
-    prompts = [tokenization.encode_prompt(prompt) for prompt in body.prompts()]
+    prompts = [_encoded(tokenization, prompt, info) for prompt in body.prompts()]
     ticket = ticket_of(request)
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
+    presets = info.sampling_defaults if info.languages else None  # a translation takes the model's presets
     built = [
-        build_request(
-            body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction, adapter_slot=reply.adapter_slot
-        )
+        build_request(body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction,
+                      adapter_slot=reply.adapter_slot, presets=presets)  # fmt: skip
         for p in prompts
     ]
     requests = [validated(body, generation, info) for generation in built]
@@ -46,7 +49,7 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
 
     if body.stream:
         fmt = CompletionChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
-        return await serving.stream(body, streams, fmt, request, dump)
+        return await serving.stream(body, streams, fmt, request, dump, searching=requests[0].num_beams > 1)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
@@ -54,6 +57,14 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
         id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=usage_of(finals, body.n)
     )
     return json_response(response, finals, dump)
+
+
+def _encoded(tokenization: Tokenization, prompt: str | list[int], info: ModelInfo) -> list[int]:
+    """A prompt's tokens; a translation model's source text has no special tokens (the
+    engine adds its language code and </s>)."""
+    if translates(info) and isinstance(prompt, str):
+        return tokenization.encode_text(prompt)
+    return tokenization.encode_prompt(prompt)
 
 
 def _echoed(

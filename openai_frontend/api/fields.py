@@ -64,7 +64,7 @@ SHARED: dict[str, FieldRule] = {
     "model": _supported("the served model's name, or a LoRA adapter's (a 404 for any other)"),
     "frequency_penalty": _supported("OpenAI's frequency penalty"),
     "logit_bias": _supported("added to the logits of the token ids given"),
-    "n": _supported("1..8 choices, each its own model request"),
+    "n": _supported("1..8 choices, each its own model request; with beam search, its n best hypotheses"),
     "presence_penalty": _supported("OpenAI's presence penalty"),
     "seed": _supported("reproducible draws: choice i uses seed + i"),
     "stop": _supported("stop strings, cut from the text"),
@@ -128,6 +128,11 @@ EXTENSIONS: dict[str, FieldRule] = {
     "dry_sequence_breakers": _supported("DRY's sequence breakers"),
     "repetition_detection": _supported("the loop detectors' settings"),
     "timeout": _supported("a deadline in seconds: the answer ends with what it has"),
+    "num_beams": _supported("beam search with this many beams (1: none), up to the model's MAX_BEAMS"),
+    "length_penalty": _supported("beam search: scores divide by length ** length_penalty"),
+    "early_stopping": _supported('beam search: true, false or "never" (transformers\' rules)'),
+    "src_lang": _supported("a translation model's source language (a FLORES-200 code)"),
+    "tgt_lang": _supported("a translation model's target language (a FLORES-200 code)"),
     "prompt_logprobs": _refused("use echo with logprobs (completions) for the prompt's logprobs"),
     "structured_outputs": _refused(_VLLM_STRUCTURED),
     **{
@@ -153,11 +158,13 @@ CHAT_EXTENSIONS: dict[str, FieldRule] = {
 }
 
 # Fields of the contract's request a client may not set by name: the frontend derives them
-# from the body (the logprob fields shape the response, which the body's own fields ask for);
+# from the body (the logprob fields shape the response, which the body's own fields ask for;
+# num_return_sequences is a search's `n`, the language ids come from src_lang / tgt_lang);
 # model_info and adapter_command are inputs of queries, not of requests.
 DERIVED = frozenset(
-    {"prompt_tokens", "stream", "lookup_tenant", "model_info", "adapter_command", "logprobs", "top_logprobs"}
-)
+    {"prompt_tokens", "stream", "lookup_tenant", "model_info", "adapter_command", "logprobs", "top_logprobs",
+     "num_return_sequences", "src_lang_id", "tgt_lang_id"}
+)  # fmt: skip
 
 
 def forwardable(name: str) -> bool:

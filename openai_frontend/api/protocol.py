@@ -100,9 +100,17 @@ class GenerationBody(BaseModel):
     # guards: loop detectors, and a deadline in seconds (the answer ends with what it has)
     repetition_detection: RepetitionDetection | None = None
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
-    # Any other field of the contract's request not derived by the frontend (num_beams,
-    # dry_multiplier, thinking_budget, ...) may be sent by its contract name and is
-    # forwarded as is (request_builder.FORWARDABLE).
+    # beam search (api/beams.py): num_beams > 1 searches, and `n` is how many of its best
+    # hypotheses come back; absent: the model's defaults (ModelInfo.beam_defaults)
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # true, false or "never" (transformers' three rules)
+    # a translation model's languages as FLORES-200 codes (api/translation.py); absent: the deployment's
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+    # Any other field of the contract's request not derived by the frontend (dry_multiplier,
+    # thinking_budget, ...) may be sent by its contract name and is forwarded as is
+    # (api/fields.py `forwardable`).
 
     @field_validator("prediction", mode="wrap")
     @classmethod
@@ -122,6 +130,13 @@ class GenerationBody(BaseModel):
         """The spec allows null for these, meaning their default (n 1, stream false, echo
         false, completions' max_tokens 16)."""
         return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping_rule(cls, value):
+        if value is None or value is True or value is False or value == "never":
+            return value
+        raise ValueError(f'must be true, false or "never", got {value!r}')
 
     @field_validator("logit_bias")
     @classmethod
@@ -164,6 +179,11 @@ class GenerationBody(BaseModel):
 
     def forces_thinking(self) -> bool:
         return False
+
+    def forced_tool_param(self) -> str | None:
+        """The field that forces a tool call (chat's tool_choice "required" or a named
+        function), if the body forces one; None otherwise."""
+        return None
 
     def reasoning_effort_asked(self) -> str | None:
         """OpenAI's reasoning_effort (chat), when the body sets it."""
@@ -226,6 +246,9 @@ _PARAM_OF_FIELD = {
     "loop_max_pattern_size": "repetition_detection.max_pattern_size",
     "loop_min_count": "repetition_detection.min_count",
     "timeout_s": "timeout",
+    "num_return_sequences": "n",
+    "src_lang_id": "src_lang",
+    "tgt_lang_id": "tgt_lang",
 }
 
 

@@ -2,12 +2,13 @@
 
 The one place where API names meet the contract's: `max_completion_tokens` is the
 request's `max_tokens`, `logit_bias` its ids and values, `timeout` its guards'
-`timeout_s`, `repetition_detection` its loop limits. The model's sampling presets
-(ModelInfo.sampling_defaults, chat only) fill what the body leaves unset, and
-extension fields a client sends by their contract name (`dry_multiplier`,
-`thinking_budget`, `num_beams`, ...) are set by name through the contract: `adapter_slot`
-too, over the slot the body's `model` picked. A value the contract refuses is a 400
-naming the body's field.
+`timeout_s`, `repetition_detection` its loop limits, a beam search's `n` its
+num_return_sequences (api/beams.py), `src_lang` / `tgt_lang` its language ids
+(api/translation.py). The model's sampling presets (ModelInfo.sampling_defaults, chat
+only; a search keeps their bounds alone) fill what the body leaves unset, and extension
+fields a client sends by their contract name (`dry_multiplier`, `thinking_budget`, ...)
+are set by name through the contract: `adapter_slot` too, over the slot the body's
+`model` picked. A value the contract refuses is a 400 naming the body's field.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from backend.contract import (
     SamplingParams,
     apply_inputs,
 )
+from openai_frontend.api.beams import beam_settings
 from openai_frontend.api.errors import OpenAIError, bad_request
 from openai_frontend.api.fields import forwardable
 from openai_frontend.api.protocol import GenerationBody
+from openai_frontend.api.translation import apply_languages
 
 # reasoning_effort -> the thinking budget (None: the model's own); "none" turns thinking off
 _EFFORT_BUDGETS = {"minimal": 64, "low": 512, "medium": 2048, "high": None, "xhigh": None, "max": None}
@@ -47,7 +50,8 @@ def build_request(
     `validated`). `presets`: sampling defaults for the fields the body does not set;
     `prediction`: the tokens of the body's prediction; `adapter_slot`: the LoRA adapter
     the body's `model` picked (0: none)."""
-    defaults = SamplingParams(**{k: v for k, v in (presets or {}).items() if not body.sets(k)})
+    beams = beam_settings(body, info)
+    defaults = SamplingParams(**{k: v for k, v in beams.presets(presets or {}).items() if not body.sets(k)})
     request = GenerationRequest(
         list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream,
         prediction_tokens=tuple(prediction), adapter_slot=adapter_slot,
@@ -55,6 +59,8 @@ def build_request(
     grammar = body.grammar()
     if grammar is not None:
         request.grammar_kind, request.grammar_spec = grammar
+    beams.apply(request, body.n)
+    apply_languages(body, info, request)
     try:
         apply_inputs(request, _forwarded(body))
     except ContractError as exc:
@@ -98,7 +104,8 @@ def _sampling(body: GenerationBody, defaults: SamplingParams) -> SamplingParams:
     logprobs, top_logprobs = body.logprob_counts()
     return replace(
         defaults,
-        max_tokens=_pick(body.max_new_tokens(), defaults.max_tokens),
+        # a preset max_tokens replaces the spec's default too (completions' 16)
+        max_tokens=defaults.max_tokens if defaults.max_tokens is not None else body.max_new_tokens(),
         min_tokens=_pick(body.min_tokens, defaults.min_tokens),
         # top_p 0 keeps the most likely token alone: a greedy draw
         temperature=0.0 if body.top_p == 0 else _pick(body.temperature, defaults.temperature),

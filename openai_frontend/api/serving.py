@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,10 +23,13 @@ from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, mode
 from openai_frontend.api.protocol import GenerationBody
 from openai_frontend.api.request_builder import for_choice
 from openai_frontend.api.responses import ModelCard, ModelList
-from openai_frontend.api.sse import ChunkFormat, sse_events
+from openai_frontend.api.sse import ChunkFormat, keep_alive, sse_events
+from openai_frontend.api.translation import translates
 from openai_frontend.generation.adapters import Adapters
-from openai_frontend.generation.choices import heads, interleave
+from openai_frontend.generation.beams import BeamSearchRun
+from openai_frontend.generation.choices import after, heads, interleave
 from openai_frontend.generation.deltas import Delta, generate_text
+from openai_frontend.generation.detokenizer import IncrementalDetokenizer
 from openai_frontend.generation.engine_client import EngineError, TritonLLM
 from openai_frontend.generation.tokenization import Tokenization
 from openai_frontend.operations.dump import RequestDump
@@ -36,6 +40,7 @@ from openai_frontend.parsing.tools import ToolParser, get_tool_parser
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+KEEPALIVE_S = 5.0  # a silent stream's keep-alive interval (SSE_KEEPALIVE_S)
 FINISH_GUARD_HEADER = "x-finish-guard"
 THINKING_GUARD_HEADER = "x-thinking-guard"
 
@@ -71,6 +76,7 @@ class Serving:
         self.info: ModelInfo | None = None  # the running model's facts, once asked
         self.tool_parser: ToolParser | None = None  # the model's tool-call format
         self.adapters = Adapters(served_model_name)  # the engine's LoRA adapters, as last heard
+        self.keepalive_s = KEEPALIVE_S  # a beam search's stream sends a comment this often until it ends
 
     async def model_info(self) -> ModelInfo:
         """The running model's facts, asked of it once (ModelUnavailable while it is down)."""
@@ -132,26 +138,40 @@ class Serving:
         prompt_tokens = new_tokens = 0
         for request in requests:
             prompt = len(request.prompt_tokens)
-            room = body.check_context(prompt, self.info.max_model_len)
+            # a translation's context is its decoder's (from one start token); the engine bounds its source
+            room = body.check_context(1 if self.info.languages else prompt, self.info.max_model_len)
             asked = request.sampling.max_tokens
             prompt_tokens += prompt
             new_tokens += body.n * (room if asked is None else asked)
         ticket.reserve(prompt_tokens, new_tokens, len(requests) * body.n)
         streams = []
         for request in requests:
-            for index in range(body.n):
-                streams.append(self._choice(body, for_choice(request, index), len(streams), ticket, dump))
+            lora = self.adapters.name_of(request.adapter_slot)
+            for text in self._texts(body, request, dump):
+                streams.append(ticket.metered(self._observed(text, len(streams), dump, ticket.tenant, lora)))
         return streams
 
-    def _choice(
-        self, body: GenerationBody, request: GenerationRequest, index: int, ticket: Ticket, dump: RequestDump | None
-    ) -> AsyncIterator[Delta]:
-        if dump is not None:
-            dump.tensors(request)
-        detokenizer = self.tokenization.detokenizer(request.prompt_tokens)
-        text = generate_text(self.engine, request, detokenizer, body.stop_strings())
-        lora = self.adapters.name_of(request.adapter_slot)
-        return ticket.metered(self._observed(text, index, dump, ticket.tenant, lora))
+    def _texts(
+        self, body: GenerationBody, request: GenerationRequest, dump: RequestDump | None
+    ) -> list[AsyncIterator[Delta]]:
+        """A prompt's n choices: n generations, or one beam search's n best hypotheses."""
+        detokenizer = partial(self._detokenizer, request)
+        if request.num_beams > 1:
+            if dump is not None:
+                dump.tensors(request)
+            return BeamSearchRun(self.engine, request, detokenizer).choices()
+        texts = []
+        for index in range(body.n):
+            choice = for_choice(request, index)
+            if dump is not None:
+                dump.tensors(choice)
+            texts.append(generate_text(self.engine, choice, detokenizer(), body.stop_strings()))
+        return texts
+
+    def _detokenizer(self, request: GenerationRequest) -> IncrementalDetokenizer:
+        """A generation's detokenizer: its text continues the prompt's, unless it is a
+        translation (a text of its own, in another language)."""
+        return self.tokenization.detokenizer([] if translates(self.info) else request.prompt_tokens)
 
     async def stream(
         self,
@@ -160,11 +180,18 @@ class Serving:
         fmt: ChunkFormat,
         request: Request,
         dump: RequestDump | None,
+        *,
+        searching: bool = False,
     ) -> Response:
-        # Every choice's first delta comes before the response begins: a refused request
-        # still gets its HTTP status.
+        """The SSE response. Every choice's first delta comes before it begins, so that a
+        refused request still gets its HTTP status; a beam search (`searching`), which
+        sends nothing until it ends, waits one keep-alive interval for them at most, then
+        begins, with keep-alive comments until they come."""
         deltas = interleave(streams)
-        first = await self.until_done(body, heads(deltas, len(streams)), request)
+        if searching:
+            first, deltas = await self._heads_soon(body, deltas, len(streams), request)
+        else:
+            first = await self.until_done(body, heads(deltas, len(streams)), request)
 
         def to_error(exc: Exception) -> OpenAIError:
             error = self.error(body, exc)
@@ -173,8 +200,25 @@ class Serving:
 
         events = sse_events(first, deltas, len(streams), fmt, to_error)
         if dump is not None:
-            events = _recorded(events, dump)
+            events = dump.recorded(events)
+        if searching:
+            events = keep_alive(events, self.keepalive_s)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _heads_soon(
+        self, body: GenerationBody, deltas: AsyncIterator[tuple[int, Delta]], n: int, request: Request
+    ) -> tuple[list[tuple[int, Delta]], AsyncIterator[tuple[int, Delta]]]:
+        """(the choices' first deltas, the rest) if they come within one keep-alive
+        interval (a refusal does); else (none, the rest with them first)."""
+        first = asyncio.ensure_future(heads(deltas, n))
+        try:
+            await self.until_done(body, asyncio.wait({first}, timeout=self.keepalive_s), request)
+        except BaseException:
+            first.cancel()
+            raise
+        if first.done():
+            return await self.until_done(body, first, request), deltas
+        return [], after(first, deltas)
 
     async def until_done(self, body: GenerationBody, work: Awaitable[T], request: Request) -> T:
         try:
@@ -265,14 +309,3 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _recorded(events: AsyncIterator[str], dump: RequestDump) -> AsyncIterator[str]:
-    """The SSE events as they go, and into the dump once the stream is over."""
-    sent = []
-    try:
-        async for event in events:
-            sent.append(event)
-            yield event
-    finally:
-        dump.response("".join(sent))

@@ -8,10 +8,15 @@ stream has begun is sent as `data: {"error": ...}` before `[DONE]`.
 With n choices, each chunk carries one choice and its `index`: (chat) a role chunk
 per index first, then the choices' chunks interleaved as they come, each ending with
 its own finish_reason chunk; the usage chunk follows once all have ended.
+
+A stream that may stay silent for long (a beam search sends nothing until it ends) is
+sent through `keep_alive`: a comment line, `: keep-alive`, whenever no event has come
+for an interval. SSE clients skip comments (the openai SDK does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -26,6 +31,7 @@ from openai_frontend.generation.engine_client import EngineError
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"
 
 
 def _event(payload: dict[str, Any]) -> str:
@@ -147,3 +153,22 @@ async def _chained(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield item
     async for item in rest:
         yield item
+
+
+async def keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """The events, and a keep-alive comment whenever none has come for `interval_s`."""
+    pending: asyncio.Future[str | None] | None = None
+    async with aclosing(events):
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(events, None))
+                while not (await asyncio.wait({pending}, timeout=interval_s))[0]:
+                    yield KEEP_ALIVE
+                event = pending.result()
+                if event is None:
+                    return
+                yield event
+        finally:
+            if pending is not None and not pending.done():  # the client left while an event was awaited
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)

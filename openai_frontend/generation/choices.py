@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TypeVar
 
 from openai_frontend.generation.deltas import Delta, collect
+
+T = TypeVar("T")
 
 
 async def collect_all(streams: list[AsyncIterator[Delta]]) -> list[Delta]:
@@ -64,3 +67,16 @@ async def heads(deltas: AsyncIterator[tuple[int, Delta]], n: int) -> list[tuple[
         received.append((index, delta))
         seen.add(index)
     return received
+
+
+async def after(first: asyncio.Future[list[T]], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items `first` brings, then the rest's; closing it cancels both."""
+    try:
+        for item in await first:
+            yield item
+        async for item in rest:
+            yield item
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)  # it may be inside `rest`: done first
+        await rest.aclose()

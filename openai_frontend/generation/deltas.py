@@ -66,7 +66,7 @@ async def generate_text(
                 yield text_of.pending.delta(text, clock.stamp(final))
                 return
             if out.final is not None:
-                yield text_of.pending.delta(text, _checked(out.final))
+                yield text_of.pending.delta(text, checked_final(out.final))
                 return
             if text:
                 yield text_of.pending.delta(text)
@@ -110,7 +110,8 @@ class _TextOf:
         return text
 
 
-def _checked(final: FinalEvent) -> FinalEvent:
+def checked_final(final: FinalEvent) -> FinalEvent:
+    """The engine's final event, unless it says the model gave up on the request."""
     if final.finish_reason is FinishReason.ABORT:
         # an abort while the client still waits: the model gave up on the request
         raise EngineError(f"the model ended the request with finish_reason {final.finish_reason.value!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
@@ -44,6 +45,16 @@ class RequestDump:
     def final(self, index: int, final: FinalEvent) -> None:
         record = {name: value.value if isinstance(value, Enum) else value for name, value in asdict(final).items()}
         self.record["finals"][str(index)] = record
+
+    async def recorded(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's SSE events as they go, and into the record (its response) once it is over."""
+        sent = []
+        try:
+            async for event in events:
+                sent.append(event)
+                yield event
+        finally:
+            self.response("".join(sent))
 
     def response(self, body: Any) -> None:
         self.record["response"] = body

@@ -80,8 +80,12 @@ class ChatTools:
     # -- the request ---------------------------------------------------------
 
     def constrain(self, request: GenerationRequest, messages: list[dict[str, Any]]) -> None:
-        """The tools' grammar (response_format's answer schema inside it) and the engine's tool guards."""
-        kind_spec = self.parser.compile_tool_grammar(self.tools, self.tool_choice, self.parallel, self.answer)
+        """The tools' grammar (response_format's answer schema inside it) and the engine's
+        tool guards. A beam search follows no grammar (api/beams.py refuses a forced call):
+        its calls are parsed from its text."""
+        kind_spec = None
+        if request.num_beams == 1:
+            kind_spec = self.parser.compile_tool_grammar(self.tools, self.tool_choice, self.parallel, self.answer)
         forced = self.tool_choice != "auto"
         guards = request.guards
         guards.tools_present, guards.require_tool_call = True, forced

@@ -172,7 +172,8 @@ def test_the_model_info_query_answers_the_engines_facts(triton_only):
 @pytest.mark.parametrize(
     ("request_", "name"),
     [
-        (GenerationRequest(PROMPT, num_beams=4), "num_beams"),
+        (GenerationRequest(PROMPT, SamplingParams(temperature=0.0), num_beams=9), "num_beams"),  # MAX_BEAMS 8
+        (GenerationRequest(PROMPT, num_beams=4), "temperature"),  # a search is deterministic
         (GenerationRequest([]), "prompt_tokens"),
         (GenerationRequest([10**6]), "prompt_tokens"),
         (_request(PROMPT, max_tokens=-1), "max_tokens"),
@@ -187,6 +188,19 @@ def test_bad_field_is_a_triton_error_naming_it_and_the_server_keeps_serving(trit
     assert report.message.startswith(f"{name}: "), report.message
     events = _generate(triton_only.grpc_url, _request(PROMPT, max_tokens=2, temperature=0.0))
     assert events[-1].scalar("num_output_tokens") == 2
+
+
+def test_a_beam_search_streams_nothing_then_its_hypotheses_in_one_final_response(triton_only):
+    request = GenerationRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, logprobs=True), stream=True,
+                                num_beams=3, num_return_sequences=2, early_stopping="never")  # fmt: skip
+    events = _generate(triton_only.grpc_url, request)
+    assert all(not e.outputs or not e.token_ids for e in events[:-1])  # no tokens before the end
+    out = contract.decode_output(events[-1].outputs, PROMPT, final=True)
+    assert len(out.hypotheses) == 2 and out.hypotheses[0].score >= out.hypotheses[1].score
+    assert all(len(h.logprobs) == len(h.token_ids) for h in out.hypotheses)
+    assert out.final.num_output_tokens == sum(
+        len(h.token_ids) + (h.finish_reason is contract.FinishReason.STOP) for h in out.hypotheses
+    )
 
 
 def test_cancel_mid_stream_frees_the_kv_blocks(triton_only):

@@ -1,12 +1,12 @@
-"""NLLB / M2M100 (`M2M100ForConditionalGeneration`): our encoder, for translation (issue 14, in progress).
+"""NLLB / M2M100 (`M2M100ForConditionalGeneration`): its config and our encoder, for translation (issue 14).
 
 The encoder runs once per request over its source tokens: the shared embedding table
 (tied to lm_head) scaled by sqrt(d_model), plus fixed sinusoidal positions
 (tensor2tensor's [sin | cos] layout; position ids count from pad + 1 and skip pads),
 then pre-LN layers (self-attention with biases, no mask across the source; a ReLU
-feed-forward), then a final LayerNorm. The decoder (self-attention on the paged cache,
-cross-attention over the encoder's keys and values kept in the block pool) is not
-built yet; nothing serves this model yet.
+feed-forward), then a final LayerNorm. The decoder on the paged cache, and the model
+the engine loads (M2M100ForTranslation), are in m2m100_decoder.py; the cross-attention
+over the encoder's keys and values kept in the block pool in m2m100_cross.py.
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+
+ARCHITECTURE = "M2M100ForConditionalGeneration"
 
 
 @dataclass(frozen=True, slots=True)
 class M2M100Config:
+    """The checkpoint's config.json (and generation_config.json's EOS ids). Besides its own
+    fields it answers to the names the engine reads of a model's config (llama.ModelConfig's:
+    hidden_size, num_layers, num_heads, num_kv_heads, head_dim, ...); `num_layers` counts the
+    decoder's layers, the ones that own a paged KV cache."""
+
     vocab_size: int
     d_model: int
     encoder_layers: int
@@ -32,15 +38,67 @@ class M2M100Config:
     max_position_embeddings: int
     pad_token_id: int = 1
     scale_embedding: bool = True
+    decoder_heads: int = 16
+    decoder_ffn_dim: int = 4096
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (2,)
+    decoder_start_token_id: int = 2
+    tie_word_embeddings: bool = True
+    architecture: str = ARCHITECTURE
+    is_encoder_decoder: bool = True
+    num_mtp_layers: int = 0
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def load(cls, folder: str | Path) -> M2M100Config:
+        from backend.runner.loader import _eos_token_ids  # here: the loader imports this module
+
         raw = json.loads((Path(folder) / "config.json").read_text())
-        if raw.get("model_type") != "m2m_100" or raw.get("activation_function", "relu") != "relu":
+        named = raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == ARCHITECTURE
+        if not named or raw.get("activation_function", "relu") != "relu":
             raise ValueError(f"{folder} is not an M2M100 / NLLB checkpoint with ReLU feed-forwards")
-        return cls(raw["vocab_size"], raw["d_model"], raw["encoder_layers"], raw["encoder_attention_heads"],
-                   raw["encoder_ffn_dim"], raw["decoder_layers"], raw["max_position_embeddings"],
-                   raw.get("pad_token_id", 1), raw.get("scale_embedding", True))  # fmt: skip
+        return cls(
+            vocab_size=raw["vocab_size"],
+            d_model=raw["d_model"],
+            encoder_layers=raw["encoder_layers"],
+            encoder_heads=raw["encoder_attention_heads"],
+            encoder_ffn_dim=raw["encoder_ffn_dim"],
+            decoder_layers=raw["decoder_layers"],
+            max_position_embeddings=raw["max_position_embeddings"],
+            pad_token_id=raw.get("pad_token_id", 1),
+            scale_embedding=raw.get("scale_embedding", True),
+            decoder_heads=raw["decoder_attention_heads"],
+            decoder_ffn_dim=raw["decoder_ffn_dim"],
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_token_ids(Path(folder), raw),
+            decoder_start_token_id=raw.get("decoder_start_token_id", 2),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def num_layers(self) -> int:
+        return self.decoder_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.decoder_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.decoder_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.decoder_heads
+
+    @property
+    def position_offset(self) -> int:
+        """Position p of a sequence (no pads before it) reads row p + pad_token_id + 1 of the table."""
+        return self.pad_token_id + 1
 
 
 def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Tensor:
@@ -56,7 +114,32 @@ def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Te
     return table
 
 
+class SinusoidalPositions:
+    """The fixed position table in the model's dtype and device, grown on demand (as
+    transformers grows its own) when a sequence runs past max_position_embeddings."""
+
+    def __init__(self, cfg: M2M100Config, dtype: torch.dtype, device: torch.device | str):
+        self.cfg = cfg
+        self.table = self._make(cfg.max_position_embeddings + cfg.position_offset, dtype, device)
+
+    def _make(self, rows: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        return sinusoidal_table(rows, self.cfg.d_model, self.cfg.pad_token_id).to(device=device, dtype=dtype)
+
+    def lookup(self, rows: torch.Tensor, bound: int) -> torch.Tensor:
+        """Table rows `rows`; `bound` (a host int) is at least their largest, so no device sync."""
+        if bound >= self.table.shape[0]:
+            self.table = self._make(2 * bound, self.table.dtype, self.table.device)
+        return self.table[rows]
+
+
+def is_encoder_weight(name: str) -> bool:
+    return name.startswith("model.encoder.") and ".embed_" not in name
+
+
 class M2M100Encoder(torch.nn.Module):
+    """`weights`: the checkpoint's model.encoder.* tensors and the shared embedding
+    ("model.shared.weight", possibly a view of a tied lm_head), in the model's dtype and device."""
+
     def __init__(self, cfg: M2M100Config, weights: dict[str, torch.Tensor]):
         super().__init__()
         self.cfg = cfg
@@ -64,26 +147,27 @@ class M2M100Encoder(torch.nn.Module):
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
         self.weights = weights
         self.head_dim = cfg.d_model // cfg.encoder_heads
+        self.positions = SinusoidalPositions(cfg, self.embed.dtype, self.embed.device)
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> M2M100Encoder:
+        from backend.runner.loader import _iter_weights, _weight_files  # here: the loader imports this module
+
         cfg = M2M100Config.load(folder)
-        weights = {}
-        with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.startswith("model.encoder.") or name == "model.shared.weight":
-                    weights[name] = f.get_tensor(name).to(dtype)
+        weights = {
+            name: tensor.to(dtype)
+            for name, tensor in _iter_weights(_weight_files(Path(folder)))
+            if is_encoder_weight(name) or name == "model.shared.weight"
+        }
         return cls(cfg, weights)
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int]) -> torch.Tensor:
         """The encoder's output [S, d_model] for one source sequence (pads skipped by position)."""
-        cfg, ids = self.cfg, torch.tensor(input_ids)
+        cfg, ids = self.cfg, torch.tensor(input_ids, device=self.embed.device)
         mask = (ids != cfg.pad_token_id).long()
         positions = torch.cumsum(mask, 0) * mask + cfg.pad_token_id
-        table = sinusoidal_table(max(int(positions.max()) + 1, cfg.max_position_embeddings + 2), cfg.d_model,
-                                 cfg.pad_token_id)  # fmt: skip
-        x = F.embedding(ids, self.embed) * self.scale + table[positions].to(self.embed.dtype)
+        x = F.embedding(ids, self.embed) * self.scale + self.positions.lookup(positions, len(ids) + cfg.pad_token_id)
         for i in range(cfg.encoder_layers):
             x = self._layer(x, f"model.encoder.layers.{i}.")
         return self._norm(x, "model.encoder.layer_norm")

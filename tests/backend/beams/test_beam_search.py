@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from backend.beams.search import BeamSearch
+from backend.contract import EARLY_STOPPING, FinishReason
 
 EOS = 2
+RULE = {True: "true", False: "false", "never": "never"}  # transformers' values -> the contract's
+
+
+def _generated(hyp) -> list[int]:
+    """A hypothesis's generated tokens as transformers counts them: the EOS it ended on included."""
+    return hyp.token_ids + ([EOS] if hyp.finish_reason is FinishReason.STOP else [])
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +61,19 @@ def test_sequences_and_scores_equal_transformers(model, num_beams, length_penalt
                                  length_penalty=length_penalty, early_stopping=early_stopping,
                                  max_new_tokens=max_new, do_sample=False, return_dict_in_generate=True,
                                  output_scores=True, eos_token_id=EOS, pad_token_id=0)  # fmt: skip
-        search = _ours(model, prompt, BeamSearch(num_beams, max_new, (EOS,), length_penalty, early_stopping))
+        search = _ours(model, prompt, BeamSearch(num_beams, max_new, (EOS,), length_penalty, RULE[early_stopping]))
         best = search.best(num_beams)
         for hyp, sequence, score in zip(best, out.sequences, out.sequences_scores, strict=True):
             theirs = sequence[len(prompt) :].tolist()
             # generate pads the shorter hypotheses, here with EOS (`pad_token_id or eos`: pad 0 is falsy)
-            assert hyp.tokens == theirs[: len(hyp.tokens)] and set(theirs[len(hyp.tokens) :]) <= {EOS}
+            ours = _generated(hyp)
+            assert ours == theirs[: len(ours)] and set(theirs[len(ours) :]) <= {EOS}
             assert abs(hyp.score - float(score)) < 1e-4
 
 
 def test_the_three_early_stopping_rules_part_ways_here(model):
     """The parity above means something: on this model the rules give different answers."""
     found = {}
-    for rule in (True, False, "never"):
-        found[rule] = tuple(_ours(model, [1, 5, 9, 13], BeamSearch(3, 20, (EOS,), 2.0, rule)).best(1)[0].tokens)
+    for rule in EARLY_STOPPING:
+        found[rule] = tuple(_generated(_ours(model, [1, 5, 9, 13], BeamSearch(3, 20, (EOS,), 2.0, rule)).best(1)[0]))
     assert len(set(found.values())) >= 2, found

@@ -202,10 +202,8 @@ def test_absent_inputs_take_their_defaults():
 @pytest.mark.parametrize(
     ("name", "request_"),
     [
-        ("num_beams", GenerationRequest([1], num_beams=4)),
         ("session_hash", GenerationRequest([1], session_hash="abc")),
         ("images", GenerationRequest([1], images=(b"\x89PNG",))),
-        ("src_lang_id", GenerationRequest([1], src_lang_id=3)),
     ],
 )
 def test_unbuilt_field_with_a_non_default_value_is_refused(name, request_):

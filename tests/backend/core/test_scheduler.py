@@ -31,7 +31,7 @@ def run_step(sched, plan, new_token=7):
     """What the engine does after the forward: the scheduler advances the sequences and
     appends a token to each that caught up."""
     rows = list(range(len(plan.completing)))  # no drafts here: one logits row each
-    return sched.update(plan, StepResult(lambda idx, _: ([new_token] * len(idx), [None] * len(idx)), rows))
+    return sched.update(plan, StepResult(lambda idx, _: ([new_token] * len(idx), [None] * len(idx)), first_rows=rows))
 
 
 def plan_of(plan):

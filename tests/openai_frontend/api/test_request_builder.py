@@ -32,7 +32,7 @@ def test_chat_request_maps_to_the_generation_request():
         stop_token_ids=[4],
         ignore_eos=True,
         presence_penalty=0.5,
-        num_beams=2,  # an unbuilt contract field, set by its contract name for the contract to refuse
+        session_hash="s1",  # an unbuilt contract field, set by its contract name for the contract to refuse
         lookup_tenant="other",  # never settable by a client
         unknown_field=1,
     )
@@ -41,7 +41,7 @@ def test_chat_request_maps_to_the_generation_request():
     assert request.prompt_tokens == [1, 2, 3] and request.stream is True and request.lookup_tenant == ""
     assert (sampling.max_tokens, sampling.min_tokens, sampling.temperature, sampling.top_p) == (7, 2, 0.5, 0.9)
     assert (sampling.seed, sampling.top_k, sampling.stop_token_ids, sampling.ignore_eos) == (3, 5, (4,), True)
-    assert sampling.presence_penalty == 0.5 and request.num_beams == 2
+    assert sampling.presence_penalty == 0.5 and request.session_hash == "s1"
     arrays = contract.encode_request(request)
     assert set(arrays) == {
         "prompt_tokens",
@@ -54,7 +54,7 @@ def test_chat_request_maps_to_the_generation_request():
         "seed",
         "stop_token_ids",
         "ignore_eos",
-        "num_beams",
+        "session_hash",
         "stream",
     }
     assert arrays["max_tokens"].tolist() == [7]
@@ -65,7 +65,7 @@ def test_chat_request_maps_to_the_generation_request():
     # the unbuilt feature is refused before anything is sent, naming its field
     with pytest.raises(OpenAIError) as refused:
         validated(body, request, INFO)
-    assert refused.value.status == 400 and refused.value.param == "num_beams"
+    assert refused.value.status == 400 and refused.value.param == "session_hash"
 
 
 def test_defaults_send_only_the_prompt_and_the_stream_flag_when_streaming():
