@@ -31,11 +31,8 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
     presets = info.sampling_defaults if info.languages else None  # a translation takes the model's presets
-    built = [
-        build_request(body, p, info, tenant=ticket.tenant, stream=stream, prediction=prediction,
-                      adapter_slot=reply.adapter_slot, presets=presets)  # fmt: skip
-        for p in prompts
-    ]
+    options = dict(tenant=ticket.tenant, stream=stream, prediction=prediction, adapter_slot=reply.adapter_slot)
+    built = [build_request(body, p, info, presets=presets, **options) for p in prompts]
     requests = [validated(body, generation, info) for generation in built]
     streams = serving.generate(body, requests, "completions", ticket, dump)
     if body.echo:
