@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench import grammar_cost, lora, sampler_cost, speculative
+from bench import beams, grammar_cost, lora, sampler_cost, speculative
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -227,3 +227,5 @@ def main(argv: list[str] | None = None) -> None:
     speculative.main(model_path)  # speculative decoding against plain decoding
     print()
     lora.main(model_path, prompts_for(tokenizer, 32))  # multi-LoRA against the base model
+    print()
+    beams.main(model_path, prompts_for(tokenizer, beams.STREAMS))  # beam search against transformers
