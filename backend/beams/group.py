@@ -14,8 +14,8 @@ the rows' log-probs to the search and moves each row to the beam it now runs:
   forward). Rows are all the same length and partial blocks are never shared, so the
   rows given up free as many blocks as the forks take; only the first step, which
   makes num_beams - 1 rows out of nothing, needs free blocks. When they are not there,
-  the new rows start without KV and the group goes back to the queue, to be
-  recomputed (its prompt mostly from the prefix cache).
+  the new rows start without KV and compute their tokens again in the steps that
+  follow (the group's rows still complete together: backend.core.beam_scheduling).
 
 The search scores the raw distribution (log_softmax) after the processors that apply to
 beams, as transformers does: min_tokens masks the stopping tokens, logit_bias adds to
@@ -62,9 +62,9 @@ class BeamGroup:
 
     # -- a step ---------------------------------------------------------------
 
-    def advance(self, log_probs: torch.Tensor, block_manager: BlockManager) -> tuple[list[Sequence], list, bool]:
+    def advance(self, log_probs: torch.Tensor, block_manager: BlockManager) -> tuple[list[Sequence], list]:
         """The rows' raw log-probs [rows, vocab] -> the search's step, and the rows moved
-        to their new beams: (rows made now, block copies to run, whether they have KV)."""
+        to their new beams: (rows made now, block copies to run)."""
         if self.search.num_generated == 0:  # every beam is the prompt
             log_probs = log_probs[:1].expand(self.num_beams, -1)
         step = self.search.step(self._processed(log_probs), self._logprob_of(log_probs))
@@ -98,7 +98,7 @@ class BeamGroup:
 
         return logprob_of
 
-    def _move_rows(self, step: BeamStep, bm: BlockManager) -> tuple[list[Sequence], list, bool]:
+    def _move_rows(self, step: BeamStep, bm: BlockManager) -> tuple[list[Sequence], list]:
         old = self.rows
         parents = step.parents if len(old) > 1 else [0] * len(step.parents)  # at first, every beam is the lead
         kept = {p: j for j, p in reversed(list(enumerate(parents)))}  # a beam's first child keeps its row
@@ -123,7 +123,7 @@ class BeamGroup:
         for row, token in zip(rows, step.tokens, strict=True):
             row.token_ids.append(token)
         self.rows = rows
-        return made, copies, has_kv
+        return made, copies
 
     def _new_row(self, index: int) -> Sequence:
         lead = self.lead

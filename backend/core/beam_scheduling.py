@@ -101,7 +101,7 @@ class BeamScheduling:
             if lead.first_token_time is None:
                 lead.first_token_time = now
             log_probs = result.log_probs([logits_rows[row] for row in group.rows])
-            made, copies, _ = group.advance(log_probs, self.block_manager)
+            made, copies = group.advance(log_probs, self.block_manager)
             self.block_copies += copies
             if made:
                 at = self.running.index(lead) + 1
