@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench import beams, grammar_cost, lora, sampler_cost, speculative
+from bench import beams, grammar_cost, lora, sampler_cost, speculative, vision
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -229,3 +229,5 @@ def main(argv: list[str] | None = None) -> None:
     lora.main(model_path, prompts_for(tokenizer, 32))  # multi-LoRA against the base model
     print()
     beams.main(model_path, prompts_for(tokenizer, beams.STREAMS))  # beam search against transformers
+    print()
+    vision.main()  # prefill with images against transformers

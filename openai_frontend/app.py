@@ -17,6 +17,7 @@ from openai_frontend.api.routes import router
 from openai_frontend.api.serving import Serving
 from openai_frontend.generation.engine_client import TritonLLM
 from openai_frontend.generation.tokenization import Tokenization
+from openai_frontend.media.settings import MediaSettings
 from openai_frontend.operations.auth import KeyRing
 from openai_frontend.operations.gate import Gate
 from openai_frontend.operations.limits import Limits, LimitSettings
@@ -36,9 +37,10 @@ class Settings:
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
     """The app; its lifespan opens the one Triton client all requests share and asks the
     running model for its facts and its LoRA adapters (again on the first request that
-    needs them, if Triton was not up). API keys, limits, who may manage adapters and a
-    beam search stream's keep-alive interval (SSE_KEEPALIVE_S, seconds) come from the
-    environment (operations/auth.py, limits.py, api/lora.py)."""
+    needs them, if Triton was not up). API keys, limits, who may manage adapters, what
+    media chat requests may bring (media/settings.py) and a beam search stream's
+    keep-alive interval (SSE_KEEPALIVE_S, seconds) come from the environment
+    (operations/auth.py, limits.py, api/lora.py)."""
     dump_dir = None
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
@@ -46,6 +48,7 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name, dump_dir=dump_dir)
     serving.metrics.engine_url = settings.triton_metrics_url
     serving.keepalive_s = float(os.environ.get("SSE_KEEPALIVE_S", serving.keepalive_s))
+    serving.media = MediaSettings.from_env(os.environ)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

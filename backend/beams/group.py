@@ -129,7 +129,7 @@ class BeamGroup:
         lead = self.lead
         row = Sequence(f"{lead.request_id}#beam-{index}", lead.request, lead.arrival_time, lead.guard_state,
                        [], lead.num_prompt_tokens, adapter=lead.adapter, adapter_weights=lead.adapter_weights,
-                       encoder=lead.encoder)  # fmt: skip
+                       encoder=lead.encoder, vision=lead.vision)  # fmt: skip
         row.beam, row.status = self, lead.status
         row.first_scheduled_time, row.first_token_time = lead.first_scheduled_time, lead.first_token_time
         return row

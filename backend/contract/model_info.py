@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from backend.contract.vision import VisionInfo
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -32,10 +34,17 @@ class ModelInfo:
     languages: dict[str, int] = field(default_factory=dict)
     src_lang: str = ""  # the deployment's default source and target languages (MODEL.toml [translation])
     tgt_lang: str = ""
+    vision: VisionInfo | None = None  # a vision-language model's facts; None: text only
+
+    @property
+    def takes_vision(self) -> bool:
+        return self.vision is not None
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def decode(cls, text: str) -> ModelInfo:
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        vision = values.pop("vision", None)
+        return cls(**values, vision=VisionInfo(**vision) if vision is not None else None)

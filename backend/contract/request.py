@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from backend.contract.errors import ContractError
+from backend.contract.vision import VisionItem, vision_checks
 
 # llama.cpp's default DRY sequence breakers
 DEFAULT_DRY_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
@@ -28,8 +29,6 @@ EARLY_STOPPING = ("false", "true", "never")  # transformers' False, True and "ne
 # Fields of the seed's request whose feature is not built yet: refused unless at their default.
 UNBUILT: dict[str, str] = {
     "session_hash": "prefix-aware routing",
-    "images": "vision inputs",
-    "videos": "vision inputs",
 }
 
 Check = tuple[str, bool, str]  # (field, whether it holds, why not)
@@ -187,10 +186,11 @@ class GenerationRequest:
     # a translation model's languages (token ids of their codes; 0: the deployment's default)
     src_lang_id: int = 0
     tgt_lang_id: int = 0
+    # images and videos, preprocessed, in prompt order (backend.contract.vision): the prompt
+    # holds each one's placeholder tokens, one per merged patch
+    vision: tuple[VisionItem, ...] = ()
     # not built yet (UNBUILT): refused unless at the default
     session_hash: str = ""
-    images: tuple[bytes, ...] = ()
-    videos: tuple[bytes, ...] = ()
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
         """Raise ContractError naming the first bad field. With `vocab_size`, token ids
@@ -201,6 +201,7 @@ class GenerationRequest:
             *self.sampling.checks(vocab_size),
             *self.guards.checks(),
             *self._beam_checks(),
+            *vision_checks(self.vision),
         )
         for name, ok, why in checks:
             if not ok:

@@ -34,14 +34,13 @@ class TensorSpec:
     """One named tensor. `dims` are Triton's: [1] a scalar, [-1] a list, [-1, -1] a matrix.
 
     `part`: where an input's field lives in GenerationRequest ("" the request itself,
-    "sampling" or "guards"). `raw`: a bytes input whose field holds bytes, not text.
+    "sampling" or "guards"; "vision": one of the four tensors of the `vision` field).
     """
 
     name: str
     dtype: str
     dims: tuple[int, ...] = SCALAR
     part: str = ""
-    raw: bool = False
 
     @property
     def is_list(self) -> bool:
@@ -85,10 +84,13 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     # a translation model's languages
     TensorSpec("src_lang_id", "int32"),
     TensorSpec("tgt_lang_id", "int32"),
+    # images and videos, preprocessed (backend.contract.vision): the `vision` field's four tensors
+    TensorSpec("vision_kinds", "bytes", LIST, "vision"),  # "image" | "video", one per item
+    TensorSpec("vision_grids", "int32", MATRIX, "vision"),  # [items, 3]: (t, h, w) in patches
+    TensorSpec("vision_pixels", "float32", MATRIX, "vision"),  # [sum of t*h*w, patch_dim]
+    TensorSpec("vision_seconds", "float64", LIST, "vision"),  # a video's seconds per temporal patch
     # not built yet (request.UNBUILT): refused unless at the default
     TensorSpec("session_hash", "bytes"),
-    TensorSpec("images", "bytes", LIST, raw=True),  # one encoded image per element
-    TensorSpec("videos", "bytes", LIST, raw=True),
     # SamplingParams
     _sampling("max_tokens", "int32"),
     _sampling("min_tokens", "int32"),

@@ -27,11 +27,13 @@ from backend.contract.tensors import (
     REQUEST_INPUTS,
     TensorSpec,
 )
+from backend.contract.vision import decode_vision, encode_vision
 
 _PARTS = {"": GenerationRequest, "sampling": SamplingParams, "guards": GuardParams}
+_FIELD_INPUTS = tuple(spec for spec in REQUEST_INPUTS if spec.part != "vision")  # one tensor per field
 _DEFAULTS = {
     spec.name: getattr(GenerationRequest([]) if not spec.part else _PARTS[spec.part](), spec.name)
-    for spec in REQUEST_INPUTS
+    for spec in _FIELD_INPUTS
 }
 
 
@@ -44,8 +46,8 @@ def _holder(request: GenerationRequest, spec: TensorSpec):
 
 def encode_request(request: GenerationRequest) -> dict[str, np.ndarray]:
     """The request's named arrays; fields at their default are left out."""
-    out = {}
-    for spec in REQUEST_INPUTS:
+    out = encode_vision(request.vision)
+    for spec in _FIELD_INPUTS:
         value = getattr(_holder(request, spec), spec.name)
         if spec.name != "prompt_tokens" and value == _DEFAULTS[spec.name]:
             continue
@@ -66,7 +68,8 @@ def decode_request(arrays: Arrays, vocab_size: int | None = None, max_model_len:
     if arrays.get("prompt_tokens") is None:
         raise ContractError("prompt_tokens", "is required")
     values: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
-    for spec in REQUEST_INPUTS:
+    values[""]["vision"] = decode_vision(arrays)
+    for spec in _FIELD_INPUTS:
         array = arrays.get(spec.name)
         if array is not None:
             values[spec.part][spec.name] = _from_array(spec, array)
@@ -84,7 +87,7 @@ def apply_inputs(request: GenerationRequest, values: Mapping[str, Any]) -> None:
     of the wrong type."""
     for name, value in values.items():
         spec = INPUTS_BY_NAME.get(name)
-        if spec is None or spec in (MODEL_INFO_QUERY, ADAPTER_COMMAND):
+        if spec is None or spec in (MODEL_INFO_QUERY, ADAPTER_COMMAND) or spec.part == "vision":
             raise ContractError(name, "is not a field of a generation request")
         if value is not None:
             setattr(_holder(request, spec), name, _coerce(spec, value))
@@ -107,7 +110,7 @@ def _coerce_item(spec: TensorSpec, value: Any) -> Any:
     if kind in ("float32", "float64") and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if kind == "bytes" and isinstance(value, str):
-        return value.encode() if spec.raw else value
+        return value
     expected = {"bool": "a boolean", "bytes": "a string"}.get(kind, "a number" if "float" in kind else "an integer")
     raise ContractError(spec.name, f"must be {expected}, got {value!r}")
 
@@ -134,10 +137,8 @@ def _from_array(spec: TensorSpec, array: np.ndarray) -> Any:
     return value
 
 
-def _bytes_value(spec: TensorSpec, item: Any) -> bytes | str:
+def _bytes_value(spec: TensorSpec, item: Any) -> str:
     data = item.encode() if isinstance(item, str) else bytes(item)
-    if spec.raw:
-        return data
     try:
         return data.decode()
     except UnicodeDecodeError as exc:

@@ -4,8 +4,10 @@ Blocks hold `block_size` tokens. A full block gets a chain hash over its parent'
 hash, the tenant, the adapter *version* and its tokens, so a block is reused only by a
 sequence with the very same history under the same tenant and adapter weights: one
 tenant never reads another's cached prefix, one adapter never another's, and an
-adapter loaded again (a new version) never its former version's. The hash is SHA-256 (truncated), so a caller
-cannot craft a collision into another tenant's blocks.
+adapter loaded again (a new version) never its former version's. A block holding an
+image's or video's placeholder tokens also hashes that item's content hash (as vLLM's
+extra keys do), so the same picture hits the cache and a different one never does. The
+hash is SHA-256 (truncated), so a caller cannot craft a collision into another tenant's blocks.
 
 Free blocks wait in one LRU queue, cached or not. Allocation takes from the front;
 taking a cached block evicts its hash. A freed sequence returns its blocks tail
@@ -48,8 +50,10 @@ def _root_hash(seq: Sequence) -> bytes:
     return chain_hash(root, seq.encoder.tokens) if seq.encoder is not None else root
 
 
-def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    data = parent + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)
+def chain_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """A block's hash: its parent's, its tokens and `extra` (the content hashes of the images
+    whose placeholder tokens it holds: the tokens are the same for every picture)."""
+    data = parent + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens) + extra
     return hashlib.sha256(data).digest()[:16]
 
 
@@ -84,7 +88,8 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else _root_hash(seq)
         bs = self.block_size
         for i in range(len(seq.block_hashes), upto_tokens // bs):
-            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            extra = seq.vision.block_keys(i * bs, (i + 1) * bs) if seq.vision is not None else b""
+            parent = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], extra)
             seq.block_hashes.append(parent)
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:

@@ -31,6 +31,7 @@ class EngineConfig:
     lora_modules: str = ""
     active_lora: str = ""
     max_beams: int = 8  # num_beams a request may ask for
+    encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -54,6 +55,7 @@ class EngineConfig:
             ("MAX_LORA_RANK", "max_lora_rank"),
             ("MAX_CPU_LORAS", "max_cpu_loras"),
             ("MAX_BEAMS", "max_beams"),
+            ("ENCODER_CACHE_TOKENS", "encoder_cache_tokens"),
         ):
             value = opt_int(name)
             if value is None:

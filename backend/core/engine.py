@@ -30,6 +30,8 @@ from backend.sampling.grammar_compiler import GrammarCompiler
 from backend.sampling.vocab import Vocabulary, load_tokenizer
 from backend.settings.model_settings import ModelSettings
 from backend.speculation.speculator import SpecStats, Speculator
+from backend.vision.encoder_cache import EncoderCache
+from backend.vision.state import VisionState
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,10 @@ class LLMEngine:
             self.speculator,
             self.runner.lora,
         )
+        self.vision = getattr(mc, "vision", None) if self.translation is None else None  # None: text only
+        if self.vision is not None:
+            self.scheduler.encoder_cache = self.runner.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+            self.scheduler.vision_merge = self.vision.merge_size
         self._lora_counts: dict[str, tuple[int, int]] = {}  # lora_requests' names so far
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request
         self._grammars_lock = threading.Lock()
@@ -93,6 +99,7 @@ class LLMEngine:
             tool_call_end=end,
             max_beams=self.max_beams,
             beam_defaults=self.settings.beams.defaults(),
+            vision=self.vision,
             **(self.translation.model_info() if self.translation is not None else {}),
         )
 
@@ -146,8 +153,10 @@ class LLMEngine:
         if encoder is None and (request.src_lang_id or request.tgt_lang_id):
             field = "src_lang_id" if request.src_lang_id else "tgt_lang_id"
             raise ContractError(field, "this model does not translate")
+        vision = self._vision_state(request)
         guard_state = self.guards.admit(request, arrival, prepared.grammar)
         seq = Sequence.of(request_id, request, arrival, guard_state, encoder)
+        seq.vision = vision
         seq.adapter, seq.adapter_weights = prepared.adapter, prepared.adapter_weights
         params = request.sampling
         if params.dry_multiplier and self.vocab is not None:
@@ -156,9 +165,21 @@ class LLMEngine:
             if request.num_beams > self.max_beams:
                 raise ContractError("num_beams", f"must be at most {self.max_beams} on this server (MAX_BEAMS)")
             BeamGroup.start(seq, self.guards.stop_ids(params), self.eos_token_ids, self.max_model_len)
-        elif encoder is None:
+        elif encoder is None and vision is None:  # drafters see no pictures: a vision request never drafts
             seq.spec = self.speculator.admit(request)
         self.scheduler.add(seq)
+
+    def _vision_state(self, request: GenerationRequest) -> VisionState | None:
+        """A vision request's state (None: none); ContractError for images sent to a text
+        model, or placeholder tokens that do not match the images sent."""
+        if self.vision is None:
+            if request.vision:
+                raise ContractError("vision_kinds", "this model takes no images or videos (it is a text-only model)")
+            return None
+        placeholders = {self.vision.image_token_id, self.vision.video_token_id}
+        if not request.vision and placeholders.isdisjoint(request.prompt_tokens):
+            return None
+        return VisionState.of(request.prompt_tokens, request.vision, self.vision)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its final output (abort) comes out of the next step()."""

@@ -23,12 +23,13 @@ from backend.core.block_manager import BlockManager
 from backend.core.outputs import final_event, token_output
 from backend.core.sequence import Sequence, SequenceStatus
 from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
+from backend.core.vision_scheduling import VisionScheduling
 from backend.guards.policy import Guards, finish_reason
 from backend.lora.lanes import LoraLanes
 from backend.speculation.speculator import Speculator
 
 
-class Scheduler(Admission, BeamScheduling):
+class Scheduler(Admission, BeamScheduling, VisionScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -104,6 +105,7 @@ class Scheduler(Admission, BeamScheduling):
         now = time.monotonic()
         self._expire_deadlines(now)
         out = SchedulerOutput()
+        self._reset_encoder_budget()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
@@ -131,13 +133,18 @@ class Scheduler(Admission, BeamScheduling):
                 budget -= taken
                 i += len(seq.beam.rows)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            num_new, encoder_cost = self._fit_vision(seq, start, min(seq.num_tokens - start, budget))
+            if not num_new:  # its next image waits for a step with encoder budget
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 if self._preempt_last(out) is seq:
                     if not self.running:  # alone, and the pool cannot hold it (a translation's source
                         self._end(seq, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)  # takes blocks too)
                     return budget
             out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._charge_encoder(encoder_cost)
             budget -= num_new
             i += 1
         return budget

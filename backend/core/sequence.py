@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from backend.lora.peft_format import LoraWeights
     from backend.lora.registry import AdapterVersion
     from backend.speculation.speculator import SpecState
+    from backend.vision.state import VisionState
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +66,7 @@ class Sequence:
     lora_lane: int | None = None  # the lane holding its adapter while it runs (backend.lora.lanes)
     beam: BeamGroup | None = None  # a beam request's rows all point at their group (backend.beams.group)
     encoder: EncoderState | None = None  # an encoder-decoder model's source (None: a decoder-only model)
+    vision: VisionState | None = None  # its images and videos (backend.vision.state; None: none)
     # scheduling state (the scheduler's and the block manager's)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

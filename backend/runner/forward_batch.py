@@ -31,6 +31,13 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [N] int64, rows of the flat batch whose logits are wanted
     lora: LoraBatch | None = None  # the rows that use an adapter, and which (backend.lora.batch)
+    # a vision-language model (backend.vision): M-RoPE's (t, h, w) ids of every token [3, T]
+    # int64 (None: a model with 1-D RoPE, which reads `positions`), and the rows [R] int64 of
+    # the flat batch whose input embeddings are the vision encoder's [R, hidden] instead of
+    # their placeholder token's
+    mrope_positions: torch.Tensor | None = None
+    embeds_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

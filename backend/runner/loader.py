@@ -10,10 +10,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from backend.contract.vision import VisionInfo
 from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
 from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
+from backend.runner.models.qwen2_5_vl_vision import Qwen2_5VisionEncoder
+from backend.runner.models.qwen2_vl_vision import Qwen2VisionEncoder, is_vision_weight, strip_vision_prefix
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,6 +24,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MiMoForCausalLM",  # Qwen2 plus MTP layers (backend/runner/models/mtp.py)
+    "Qwen2VLForConditionalGeneration",  # a Qwen2 with M-RoPE plus a vision tower (visual.*)
+    "Qwen2_5_VLForConditionalGeneration",
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -28,15 +33,26 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mimo": "MiMoForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
-_QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM")
+# vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
+_VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+_QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
 _MTP_PREFIX = "model.mtp_layers."
 _ROPE_TYPES = ("default", "linear", "llama3")
+# transformers 5 saves a vision-language model's text weights under model.language_model.
+_TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
     folder = Path(path)
-    raw = json.loads((folder / "config.json").read_text())
+    top = json.loads((folder / "config.json").read_text())
+    # A vision-language config nests the language model's settings in text_config (transformers
+    # 5); released checkpoints have them top-level. Nested values win; model_type stays the top's.
+    raw = dict(top)
+    if top.get("text_config"):
+        raw.update(top["text_config"], model_type=top.get("model_type"))
     arch = _architecture(raw)
     num_heads = raw["num_attention_heads"]
     model_type = raw.get("model_type", "")
@@ -56,7 +72,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope=_rope_config(raw, arch),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # transformers reads a composite config's tie top-level, or (older saves) in text_config
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", False) or raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         o_proj_bias=attention_bias and not qwen2,
         qk_norm=arch == "Qwen3ForCausalLM",
@@ -64,6 +81,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
         eos_token_ids=_eos_token_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
         num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
+        mrope_section=_mrope_section(raw, arch),
+        vision=_vision_info(top, arch),
     )
 
 
@@ -82,11 +101,16 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
     cfg = load_model_config(folder)
     model = LlamaForCausalLM(cfg, dtype, device)
     mtp_weights: list[tuple[str, torch.Tensor]] = []
+    vision_weights: dict[str, torch.Tensor] = {}
 
     def trunk():
         for name, tensor in _iter_weights(_weight_files(folder)):
             if cfg.num_mtp_layers and name.startswith(_MTP_PREFIX):
                 mtp_weights.append((name, tensor))
+            elif cfg.vision is not None and is_vision_weight(name):
+                vision_weights[strip_vision_prefix(name)] = tensor.to(device=device, dtype=dtype)
+            elif cfg.vision is not None and name.startswith(_TEXT_PREFIX):
+                yield _LEGACY_TEXT_PREFIX + name[len(_TEXT_PREFIX) :], tensor
             else:
                 yield name, tensor
 
@@ -94,7 +118,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
     if cfg.num_mtp_layers:
         model.mtp = MtpHead(cfg, dtype, device)
         model.mtp.load_weights(mtp_weights)
+    if cfg.vision is not None:
+        model.visual = _vision_encoder(folder, cfg.vision.family, vision_weights)
     return model.eval()
+
+
+def _vision_encoder(folder: Path, family: str, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The family's vision encoder from the checkpoint's vision tensors (prefix dropped)."""
+    encoder = Qwen2_5VisionEncoder if family == "qwen2_5_vl" else Qwen2VisionEncoder
+    if "patch_embed.proj.weight" not in weights:
+        raise ValueError(f"no vision weights (visual.*) in {folder}")
+    return encoder(encoder.config_class.load(folder), weights)
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -115,6 +149,8 @@ def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
     # top-level `rope_theta` and an optional `rope_scaling` using "type" or "rope_type".
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope" and arch in _VISION_FAMILIES:  # Qwen2-VL's older name: default frequencies
+        rope_type = "default"
     if rope_type not in _ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"unsupported RoPE scaling {params} for {arch}; supported types: {_ROPE_TYPES}")
     return RopeConfig(
@@ -124,6 +160,38 @@ def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings"),
+    )
+
+
+def _mrope_section(raw: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """A vision-language model's M-RoPE split of the frequency pairs; () for 1-D RoPE models."""
+    if arch not in _VISION_FAMILIES:
+        return ()
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not params.get("mrope_section"):
+        raise ValueError(f"{arch} config has no mrope_section in rope_parameters or rope_scaling")
+    return tuple(int(n) for n in params["mrope_section"])
+
+
+def _vision_info(top: dict[str, Any], arch: str) -> VisionInfo | None:
+    """The vision facts of a vision-language config (token ids top-level, or in text_config for
+    some saves; patch layout in vision_config); None for text-only models."""
+    family = _VISION_FAMILIES.get(arch)
+    if family is None:
+        return None
+    text, vision = top.get("text_config") or {}, top.get("vision_config") or {}
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    missing = [n for n in names if top.get(n, text.get(n)) is None]
+    if missing:
+        raise ValueError(f"{arch} config is missing {missing}")
+    return VisionInfo(
+        family,
+        *(int(top.get(n, text.get(n))) for n in names),
+        patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        merge_size=int(vision.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        # transformers' Qwen2_5_VLVisionConfig default, for a config that leaves it out
+        tokens_per_second=float(vision.get("tokens_per_second", 4)) if family == "qwen2_5_vl" else 0.0,
     )
 
 

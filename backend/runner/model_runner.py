@@ -18,8 +18,10 @@ from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.runner.models.m2m100_cross import CrossPlan, build_cross_plan, cross_slots
+from backend.runner.vision_inputs import mrope_ids, vision_embeds
 from backend.sampling import logprobs as lp
 from backend.sampling.sampler import SamplingRow, sample
+from backend.vision.encoder_cache import EncoderCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +62,10 @@ class ModelRunner:
         # the adapters' lanes (backend.lora.lanes), when the server serves adapters (decoder-only models)
         serves_lora = config.max_loras and not self.encoder_decoder
         self.lora = LoraLanes(config.max_loras, mc, self.dtype, self.device) if serves_lora else None
+        # a vision-language model (backend.vision): M-RoPE ids for every step, and the
+        # encoder's outputs of recent items (the engine's EncoderCache, which it sets)
+        self.mrope = bool(getattr(mc, "mrope_section", ()))
+        self.encoder_cache: EncoderCache | None = None
 
     def _load_draft(self, config: EngineConfig) -> DraftModelRunner | None:
         if not config.spec_draft_model or config.speculative == "off":
@@ -103,6 +109,13 @@ class ModelRunner:
         batch = build_forward_batch(spans, self.block_size, self.device)
         if self.lora is not None:
             batch.lora = lora_batch(scheduled, batch.query_start, self.lora, self.device)
+        if self.mrope:
+            batch.mrope_positions = mrope_ids(scheduled, self.device)
+        if self.encoder_cache is not None:
+            spliced = vision_embeds(scheduled, batch.query_start, self.model.visual, self.encoder_cache,
+                                    self.model_config.vision.merge_size)  # fmt: skip
+            if spliced is not None:
+                batch.embeds_rows, batch.embeds = spliced
         return batch
 
     @torch.inference_mode()

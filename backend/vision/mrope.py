@@ -4,8 +4,11 @@ Each prompt token has three position ids (time, height, width). A text token has
 same id in all three, counting on from the token before it. An image's (or video's)
 placeholder tokens, one per merged 2x2 patch in row-major order, are at
 (start + t, start + row, start + col), `start` the position the image begins at; the
-text after it resumes at start + max(rows, cols) (not start + the number of its tokens),
-so a prompt's last position id is usually below its length. Decoding continues in 1-D
+text after it resumes at the run's largest id + 1 (for an image, start + max(rows, cols);
+not start + the number of its tokens), so a prompt's last position id is usually below
+its length. That is the rule Qwen2-VL and Qwen2.5-VL were released with (transformers
+4.49, vLLM); transformers 5.24 resumes at start + max(rows, cols) always, which differs
+for a video whose time ids outgrow its grid's side (tests/backend/vision/test_mrope.py). Decoding continues in 1-D
 from there: token p (p >= prompt length) is at p + delta, delta = max id + 1 - length,
 in all three rows.
 
@@ -13,7 +16,7 @@ The rotary angles follow: the head's frequency pairs are split in `mrope_section
 example [16, 24, 24] of 64 pairs), section i turning by row i's ids; the two halves of
 the head rotate alike, as in every Llama-family RoPE.
 
-Both are transformers' (Qwen2VLModel.get_rope_index, Qwen2VLRotaryEmbedding), written
+Both follow transformers' (Qwen2VLModel.get_rope_index, Qwen2VLRotaryEmbedding), written
 again here for our flat batch.
 """
 
@@ -61,18 +64,30 @@ def vision_runs(prompt: Sequence[int], placeholder_ids: Sequence[int], grids: Se
     return runs
 
 
-def mrope_positions(length: int, runs: Sequence[VisionRun], merge: int) -> tuple[torch.Tensor, int]:
+def mrope_positions(
+    length: int, runs: Sequence[VisionRun], merge: int, time_steps: Sequence[float] | None = None
+) -> tuple[torch.Tensor, int]:
     """([3, length] int64 position ids of a prompt of `length` tokens with these vision
-    runs, the delta its decode positions are shifted by)."""
+    runs, the delta its decode positions are shifted by).
+
+    `time_steps` (one per run; None: all 1) spaces a run's temporal ids: temporal patch i is
+    at start + floor(i * step). Qwen2.5-VL's videos: step = tokens_per_second * the video's
+    seconds per temporal patch (its images: 1); Qwen2-VL: 1 always."""
     pieces, position, at = [], 0, 0
-    for run in runs:
+    steps = [1.0] * len(runs) if time_steps is None else list(time_steps)
+    if len(steps) != len(runs):
+        raise ValueError(f"{len(steps)} time steps for {len(runs)} vision runs")
+    for run, step in zip(runs, steps, strict=True):
         text = run.start - at
         pieces.append(torch.arange(position, position + text).expand(3, -1))
         position += text
         t, h, w = run.grid[0], run.grid[1] // merge, run.grid[2] // merge
-        grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-        pieces.append(torch.stack([g.reshape(-1) for g in grid]) + position)
-        position += max(h, w)
+        # float32 like transformers, so the floor lands where its does
+        times = (torch.arange(t) * torch.tensor(step, dtype=torch.float32)).long()
+        grid = torch.meshgrid(times, torch.arange(h), torch.arange(w), indexing="ij")
+        ids = torch.stack([g.reshape(-1) for g in grid]) + position
+        pieces.append(ids)
+        position = int(ids.max()) + 1  # after the run's largest id, in any of the three rows
         at = run.start + run.num_tokens(merge)
     pieces.append(torch.arange(position, position + length - at).expand(3, -1))
     positions = torch.cat(pieces, dim=1)

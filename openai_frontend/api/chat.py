@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request, Response
 
 from backend.contract import GenerationRequest, ModelInfo
+from backend.contract.vision import VisionItem
 from openai_frontend.api.chat_protocol import ChatCompletionRequest
 from openai_frontend.api.errors import bad_request
 from openai_frontend.api.logprobs import chat_logprobs
@@ -25,6 +26,7 @@ from openai_frontend.api.translation import source_text, translates
 from openai_frontend.generation.choices import collect_all
 from openai_frontend.generation.deltas import Delta
 from openai_frontend.generation.tokenization import Tokenization
+from openai_frontend.media.parts import check_parts, expand_placeholders, media_parts, prepare_items, processor_for
 from openai_frontend.operations.limits import ticket_of
 from openai_frontend.parsing.chat_reasoning import ChatReasoning
 from openai_frontend.parsing.chat_tools import ChatTools
@@ -33,10 +35,11 @@ from openai_frontend.parsing.chat_tools import ChatTools
 async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     reply = await serving.start(body, "chat", "chatcmpl")
     info, dump = reply.info, reply.dump
+    vision = await _vision(serving, body, info)
     messages = [m.template_dict() for m in body.messages]
     tools = ChatTools.of(serving.tool_parser, body)
     ticket = ticket_of(request)
-    generation = _request(serving, body, messages, tools, reply, ticket.tenant)
+    generation = _request(serving, body, messages, tools, reply, ticket.tenant, vision)
     streams = serving.generate(body, [generation], "chat", ticket, dump)
     reasoning = ChatReasoning.of(info)
     token_text = serving.tokenization.token_text
@@ -64,10 +67,13 @@ def _request(
     tools: ChatTools | None,
     reply: Reply,
     tenant: str,
+    vision: tuple[VisionItem, ...] = (),
 ) -> GenerationRequest:
-    """The conversation's prompt, and the request for it."""
+    """The conversation's prompt (each image's and video's placeholder expanded), and the request for it."""
     tokenization, info = serving.tokenization, reply.info
     prompt = _prompt(tokenization, body, messages, tools, info)
+    if info.vision is not None:
+        prompt = expand_placeholders(prompt, vision, info.vision)
     # Stop strings are matched here, so the model streams to let us cancel it early.
     stream = body.stream or bool(body.stop_strings())
     prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
@@ -75,9 +81,21 @@ def _request(
         body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults, prediction=prediction,
         adapter_slot=reply.adapter_slot,
     )  # fmt: skip
+    generation.vision = vision
     if tools is not None:
         tools.constrain(generation, messages)
     return validated(body, generation, info)
+
+
+async def _vision(serving: Serving, body: ChatCompletionRequest, info: ModelInfo) -> tuple[VisionItem, ...]:
+    """The messages' images and videos, checked and preprocessed (media/parts.py); a 400
+    naming the first bad part."""
+    parts = media_parts(body.messages)
+    if not parts:
+        return ()
+    check_parts(parts, info, serving.media)
+    processor = processor_for(serving.images, info.vision, body.mm_processor_kwargs)
+    return await prepare_items(parts, processor, serving.media, info.max_model_len)
 
 
 def _prompt(

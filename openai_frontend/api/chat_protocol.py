@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from openai_frontend.api.errors import bad_request
 from openai_frontend.api.fields import CHAT, CHAT_EXTENSIONS, FieldRule
@@ -52,28 +53,85 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # low: a smaller pixel budget (media/parts.py)
+
+
+class ImageURLPart(BaseModel):
+    """OpenAI's image part: a data:, http(s):// or file:// URL (media/sources.py's policy)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class VideoURL(BaseModel):
+    url: str
+
+
+class VideoURLPart(BaseModel):
+    """vLLM's video part: an MP4 or WebM file's URL, sampled at VIDEO_FPS (media/video.py)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoFramesPart(BaseModel):
+    """A video as its frames, each an image URL (as vLLM and qwen-vl-utils take them)."""
+
+    type: Literal["video"]
+    video: list[str]
+
+
+MEDIA_PART_TYPES = ("image_url", "video_url", "video")
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | VideoFramesPart, Field(discriminator="type")]
+
+
+_PART = TypeAdapter(ContentPart)
+_SUPPORTED = ", ".join(("text", *MEDIA_PART_TYPES))
+
+
+def _part(index: int, part: Any) -> Any:
+    """One content part, validated; a `content_part` error (its index in ctx) otherwise."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(kind, str) and kind not in ("text", *MEDIA_PART_TYPES):
+        why = f"content parts of type {kind} are not supported; use {_SUPPORTED}"
+        raise PydanticCustomError("content_part", "content[{part}]: {why}", {"part": index, "why": why})
+    try:
+        return _PART.validate_python(part)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        inner = ".".join(str(name) for name in first["loc"][1:])  # loc[0]: the part type's tag
+        why = f"{inner + ': ' if inner else ''}{first['msg']}"
+        raise PydanticCustomError("content_part", "content[{part}]: {why}", {"part": index, "why": why}) from None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, function_call, ...
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
-    @field_validator("content", mode="before")
+    @field_validator("content", mode="wrap")
     @classmethod
-    def _text_parts_only(cls, content):
-        if isinstance(content, list):
-            # a non-string type (a fuzzer's {}) is left to the TextPart validation: a 400
-            types = [part.get("type") for part in content if isinstance(part, dict)]
-            kinds = {kind for kind in types if isinstance(kind, str)} - {"text"}
-            if kinds:
-                raise ValueError(f"only text content parts are supported, not {', '.join(sorted(kinds))}")
-        return content
+    def _parts_named(cls, content, handler):
+        """A bad part's error names the part (api/errors.py makes it `messages[i].content[j]`)
+        and its field, not the union's str branch."""
+        if not isinstance(content, list):
+            return handler(content)
+        return [_part(index, part) for index, part in enumerate(content)]
+
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(part.type != "text" for part in self.content)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it: content as one string; the older
         function messages as tool messages, an assistant's function_call as its tool call."""
         content = self.content
-        if isinstance(content, list):
+        if self.has_media:  # the template places each image's and video's placeholder
+            content = [_template_part(part) for part in content]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         extra = dict(self.model_extra or {})
         call = extra.pop("function_call", None)
@@ -81,6 +139,13 @@ class ChatMessage(BaseModel):
             extra["tool_calls"] = [{"id": "call_0", "type": "function", "function": call}]
         role = "tool" if self.role == "function" else self.role
         return {**extra, "role": role, "content": content or ""}
+
+
+def _template_part(part) -> dict[str, Any]:
+    """A content part as the chat template renders it (Qwen2-VL's: {"type": "image"} ...)."""
+    if part.type == "text":
+        return {"type": "text", "text": part.text}
+    return {"type": "image" if part.type == "image_url" else "video"}
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -103,6 +168,8 @@ class ChatCompletionRequest(GenerationBody):
 
     # --- extensions ---
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the image processor's resize bounds for this request's images and videos
+    mm_processor_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # the same as chat_template_kwargs.enable_thinking
 
     def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
@@ -110,6 +177,32 @@ class ChatCompletionRequest(GenerationBody):
             message = f"messages: at most {max_messages} messages per request, got {len(self.messages)}"
             raise bad_request("messages", message)
         super().check_sizes(max_messages, max_string_chars)
+
+    def sized_dump(self) -> dict[str, Any]:
+        """The body without its media URLs: a data URL is bounded by MAX_MEDIA_BYTES, not
+        by the strings' bound (media/settings.py)."""
+        dump = super().sized_dump()
+        for message in dump.get("messages", []):
+            for part in message.get("content") if isinstance(message.get("content"), list) else []:
+                if part.get("type") in MEDIA_PART_TYPES:
+                    part.pop(part["type"], None)
+        return dump
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _pixel_bounds(cls, kwargs):
+        """min_pixels and max_pixels only: positive integers, min_pixels <= max_pixels."""
+        if not kwargs:
+            return kwargs
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise ValueError(f"only min_pixels and max_pixels are supported, not {', '.join(unknown)}")
+        for name, value in kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if kwargs.get("min_pixels", 1) > kwargs.get("max_pixels", kwargs.get("min_pixels", 1)):
+            raise ValueError("min_pixels must not exceed max_pixels")
+        return kwargs
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template receives besides the messages (and tools); reasoning_effort

@@ -77,6 +77,11 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
         # also what a JSON body sent without `Content-Type: application/json` becomes
         return bad_request(None, "the body must be a JSON object, sent with Content-Type: application/json")
     param = ".".join(loc) or None
+    ctx = first.get("ctx") or {}
+    if first.get("type") == "content_part" and len(loc) >= 3 and loc[0] == "messages":
+        # a chat content part (api/chat_protocol.py): named as its media errors name it
+        param = f"messages[{loc[1]}].content[{ctx['part']}]"
+        return bad_request(param, f"{param}: {ctx['why']}")
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if param and not message.startswith(param):
         message = f"{param}: {message}"

@@ -155,6 +155,7 @@ COMPLETION_EXTENSIONS: dict[str, FieldRule] = {"prediction": _supported(_PREDICT
 CHAT_EXTENSIONS: dict[str, FieldRule] = {
     "chat_template_kwargs": _supported("passed to the chat template"),
     "enable_thinking": _supported("the same as chat_template_kwargs.enable_thinking"),
+    "mm_processor_kwargs": _supported("vLLM's: min_pixels / max_pixels bound the resize of the images and videos"),
 }
 
 # Fields of the contract's request a client may not set by name: the frontend derives them

@@ -199,9 +199,13 @@ class GenerationBody(BaseModel):
     def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
         """A 400 naming the first string over `max_string_chars` characters (0: no bound),
         so no tokenizer or template ever runs on one."""
-        path = _long_string(self.model_dump(exclude_unset=True, by_alias=True), max_string_chars)
+        path = _long_string(self.sized_dump(), max_string_chars)
         if path is not None:
             raise bad_request(path, f"{path}: longer than {max_string_chars} characters")
+
+    def sized_dump(self) -> dict[str, Any]:
+        """The strings `check_sizes` bounds: the body's, as sent."""
+        return self.model_dump(exclude_unset=True, by_alias=True)
 
     def check_context(self, prompt_len: int, max_model_len: int) -> int:
         """The most new tokens a choice may ask for: max_tokens, else what the context

@@ -32,6 +32,8 @@ from openai_frontend.generation.deltas import Delta, generate_text
 from openai_frontend.generation.detokenizer import IncrementalDetokenizer
 from openai_frontend.generation.engine_client import EngineError, TritonLLM
 from openai_frontend.generation.tokenization import Tokenization
+from openai_frontend.media.images import Qwen2VLImages
+from openai_frontend.media.settings import MediaSettings
 from openai_frontend.operations.dump import RequestDump
 from openai_frontend.operations.limits import Ticket
 from openai_frontend.operations.metrics import Metrics
@@ -77,6 +79,15 @@ class Serving:
         self.tool_parser: ToolParser | None = None  # the model's tool-call format
         self.adapters = Adapters(served_model_name)  # the engine's LoRA adapters, as last heard
         self.keepalive_s = KEEPALIVE_S  # a beam search's stream sends a comment this often until it ends
+        self.media = MediaSettings()  # what chat requests may bring as images and videos (from the environment)
+        self._images: Qwen2VLImages | None = None
+
+    @property
+    def images(self) -> Qwen2VLImages:
+        """The model folder's image processor settings (preprocessor_config.json), read once."""
+        if self._images is None:
+            self._images = Qwen2VLImages.from_folder(self.tokenization.model_path)
+        return self._images
 
     async def model_info(self) -> ModelInfo:
         """The running model's facts, asked of it once (ModelUnavailable while it is down)."""

@@ -1,7 +1,7 @@
 """Images sent in chat messages, made ready for Qwen2-VL's vision tower.
 
-`decode_data_url` turns a `data:image/...;base64,` URL into an RGB picture, refusing
-anything that is not a small enough PNG, JPEG, WebP or GIF. `Qwen2VLImages` resizes,
+`decode_image` turns an image's bytes (a data URL's, a file's, a download's: media/sources.py)
+into an RGB picture, refusing anything that is not a small enough PNG, JPEG, WebP or GIF. `Qwen2VLImages` resizes,
 normalizes and cuts a picture (or a list of video frames) into the flattened patches the
 vision encoder takes, in the same order and with the same values as transformers'
 Qwen2-VL PIL image processor.
@@ -9,9 +9,6 @@ Qwen2-VL PIL image processor.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import io
 import json
 import math
@@ -21,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from backend.contract.vision import VisionItem
 
 # OpenAI CLIP's normalization, Qwen2-VL's default
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -41,32 +40,13 @@ class MediaError(ValueError):
         self.message = message
 
 
-def decode_data_url(url: str, max_bytes: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """The RGB picture in a base64 data URL (a GIF's first frame)."""
-    mime, payload = _split_data_url(url)
-    if len(payload) // 4 * 3 > max_bytes + 3:
-        raise MediaError("too_large", f"the image is larger than {max_bytes} bytes")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise MediaError("bad_base64", f"the image's base64 data is invalid: {e}") from None
-    if len(raw) > max_bytes:
-        raise MediaError("too_large", f"the image is larger than {max_bytes} bytes")
-    return to_rgb(_open_image(raw, MIME_FORMATS[mime], max_pixels))
-
-
-def _split_data_url(url: str) -> tuple[str, str]:
-    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-        raise MediaError("not_data_url", "the image must be a data URL: data:image/png;base64,...")
-    header, payload = url[len("data:") :].split(",", 1)
-    parts = [p.strip().lower() for p in header.split(";")]
-    mime, params = parts[0], parts[1:]
-    if mime not in MIME_FORMATS:
+def decode_image(raw: bytes, mime: str | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The RGB picture in `raw` (a GIF's first frame). `mime`: the type its source declared
+    (a data URL's), tried first; None (a file, a download): PNG, JPEG, WebP or GIF, sniffed."""
+    if mime is not None and mime not in MIME_FORMATS:
         accepted = ", ".join(sorted(set(MIME_FORMATS) - {"image/jpg"}))
         raise MediaError("unsupported_type", f"unsupported image type {mime!r}; accepted: {accepted}")
-    if "base64" not in params:
-        raise MediaError("bad_base64", "the image's data URL must be base64 encoded (;base64,)")
-    return mime, "".join(payload.split())
+    return to_rgb(_open_image(raw, MIME_FORMATS[mime] if mime else "PNG", max_pixels))
 
 
 def _open_image(raw: bytes, declared: str, max_pixels: int) -> Image.Image:
@@ -109,13 +89,15 @@ class PreparedImage:
     pixel_values: [grid_t * grid_h * grid_w, 3 * temporal_patch_size * patch_size**2] float32
     grid_thw: (grid_t, grid_h, grid_w) in patches
     num_tokens: placeholder tokens in the prompt, grid_t * grid_h * grid_w / merge_size**2
-    content_hash: blake2b of the pixel values and grid, hex (same picture, same hash)
     """
 
     pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]
     num_tokens: int
-    content_hash: str
+
+    def item(self, kind: str, seconds_per_grid: float = 0.0) -> VisionItem:
+        """The contract's item (which computes the content hash) of this image or video."""
+        return VisionItem(kind, self.grid_thw, self.pixel_values, seconds_per_grid)
 
 
 @dataclass(frozen=True)
@@ -208,13 +190,10 @@ class Qwen2VLImages:
         return (scaled - mean) / std
 
     def _prepared(self, frames: np.ndarray) -> PreparedImage:
-        """Flattened patches of [frames, H, W, 3], the grid, and the hash."""
+        """Flattened patches of [frames, H, W, 3], and their grid."""
         patches, grid = patchify(frames, self.patch_size, self.merge_size, self.temporal_patch_size)
-        digest = hashlib.blake2b(digest_size=32)
-        digest.update(np.asarray(grid, dtype="<i8").tobytes())
-        digest.update(patches.astype("<f4", copy=False).tobytes())
         num_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
-        return PreparedImage(patches, grid, num_tokens, digest.hexdigest())
+        return PreparedImage(patches, grid, num_tokens)
 
 
 def patchify(

@@ -41,7 +41,7 @@ class LimitSettings:
     tenant_tokens_per_minute: int = 0
     max_inflight_requests: int = 256
     max_queued_requests: int = 512
-    max_request_bytes: int = 4 * 2**20
+    max_request_bytes: int = 32 * 2**20  # images ride in the body as base64 data URLs
     max_messages: int = 1024
     max_string_chars: int = 200_000
 

@@ -7,11 +7,12 @@ import pytest
 
 from openai_frontend.app import Settings, create_app
 from openai_frontend.generation.tokenization import Tokenization
+from openai_frontend.media.settings import ENV_NAMES as MEDIA_ENV
 from openai_frontend.operations.limits import LimitSettings
 
 # what the app reads from the environment: cleared before each app is made
 APP_ENV = ["API_KEYS", "API_KEYS_FILE", "ALLOW_RUNTIME_LORA", "ADMIN_TENANTS", "SSE_KEEPALIVE_S",
-           *(f.upper() for f in LimitSettings.__dataclass_fields__)]  # fmt: skip
+           *(f.upper() for f in LimitSettings.__dataclass_fields__), *MEDIA_ENV]  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention
 from backend.runner.forward_batch import ForwardBatch
+from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
+    from backend.contract.vision import VisionInfo
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
@@ -56,6 +58,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     num_mtp_layers: int = 0  # MiMo's model.mtp_layers (backend/runner/models/mtp.py)
+    # Qwen2-VL's M-RoPE: frequency pairs per (t, h, w) row (backend/vision/mrope.py); empty: 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -173,13 +178,17 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
+        # a vision-language checkpoint's vision encoder (the loader's): (pixel_values, grids) -> embeds
+        self.visual: torch.nn.Module | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their k/v into kv_caches."""
         table = self.lm_head_t.t() if self.embed_tokens is None else self.embed_tokens
-        x = F.embedding(batch.input_ids, table)  # [T, hidden]
-        rope = self.rotary(batch.positions, x.dtype)
+        x = F.embedding(batch.input_ids, table)  # [T, hidden], a fresh tensor
+        if batch.embeds_rows is not None:  # vision placeholders take the encoder's embeddings
+            x[batch.embeds_rows] = batch.embeds.to(device=x.device, dtype=x.dtype)
+        rope = self.mrope_rotary(batch, x.dtype) if self.config.mrope_section else self.rotary(batch.positions, x.dtype)
         block_size = kv_caches[0].shape[2]
         plans = {
             w: build_attention_plan(batch, block_size, x.dtype, w, self.config.num_heads // self.config.num_kv_heads)
@@ -201,6 +210,15 @@ class LlamaForCausalLM(torch.nn.Module):
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
         cos = torch.cat((cos, cos), dim=-1)
         sin = torch.cat((-sin, sin), dim=-1)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+    def mrope_rotary(self, batch: ForwardBatch, dtype: torch.dtype) -> Rope:
+        """`rotary`'s tables for M-RoPE: each frequency pair turns by its section's (t, h, w) row
+        of `batch.mrope_positions` (text-only batches: `positions` in all three rows)."""
+        positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions.expand(3, -1)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.config.mrope_section)  # [T, D] each
+        half = self.config.head_dim // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate-half's sign, as in `rotary`
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -13,6 +13,7 @@ maps them through a GELU MLP to the language model's hidden size: one token per 
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,11 +119,30 @@ def frame_lengths(grid_thw: list[tuple[int, int, int]]) -> list[int]:
     return [h * w for t, h, w in grid_thw for _ in range(t)]
 
 
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float):
+    """q, k, v [N, heads, d] -> [N, heads * d]: each frame's (or window's) patches, `lengths`
+    of them in turn, attend to one another only. Consecutive frames of one length (a video's,
+    images of one size) go through one batched attention call, not one call each."""
+    n, heads, d = q.shape
+    outs, at = [], 0
+    for length, group in itertools.groupby(lengths):
+        count = len(list(group))
+        rows = slice(at, at + count * length)
+
+        def batched(x, rows=rows, count=count, length=length):
+            return x[rows].view(count, length, heads, d).transpose(1, 2)  # [frames, heads, length, d]
+
+        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=scale)
+        outs.append(out.transpose(1, 2).reshape(count * length, heads * d))
+        at += count * length
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def is_vision_weight(name: str) -> bool:
     return name.startswith(PREFIXES)
 
 
-def _strip_prefix(name: str) -> str:
+def strip_vision_prefix(name: str) -> str:
     return next(name[len(p) :] for p in PREFIXES if name.startswith(p))
 
 
@@ -130,6 +150,8 @@ class Qwen2VisionEncoder(torch.nn.Module):
     """`weights`: the checkpoint's vision tensors with their prefix dropped ("blocks.0.attn.qkv.weight",
     ...; the patch embedding's Conv3d kernel flattened to [embed_dim, patch_dim]), in the
     encoder's dtype and device."""
+
+    config_class = Qwen2VisionConfig  # what `load` reads the vision_config with (a subclass's own)
 
     def __init__(self, cfg: Qwen2VisionConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -148,10 +170,10 @@ class Qwen2VisionEncoder(torch.nn.Module):
         for file in _weight_files(Path(folder)):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in filter(is_vision_weight, f.keys()):
-                    weights[_strip_prefix(name)] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    weights[strip_vision_prefix(name)] = f.get_tensor(name).to(device=device, dtype=dtype)
         if "patch_embed.proj.weight" not in weights:
             raise ValueError(f"no Qwen2-VL vision weights (visual.*) in {folder}")
-        return cls(Qwen2VisionConfig.load(folder), weights)
+        return cls(cls.config_class.load(folder), weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,21 +188,29 @@ class Qwen2VisionEncoder(torch.nn.Module):
         """[sum(t*h*w) / merge^2, hidden_size]: the merged tokens of every image / video in turn.
         `pixel_values` [sum(t*h*w), patch_dim] as the image processor emits them."""
         cfg, grid_thw = self.cfg, [tuple(int(v) for v in g) for g in grid_thw]
-        if pixel_values.shape != (sum(t * h * w for t, h, w in grid_thw), cfg.patch_dim):
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match grids {grid_thw}")
-        x = F.linear(pixel_values.to(device=self.device, dtype=self.dtype), self.weights["patch_embed.proj.weight"])
+        x = self._patch_embed(pixel_values, grid_thw)
         cos, sin = rotary_tables(cfg, patch_positions(grid_thw, cfg.spatial_merge_size).to(self.device))
         lengths = frame_lengths(grid_thw)
         for i in range(cfg.depth):
             x = self._block(x, f"blocks.{i}.", cos, sin, lengths)
         return self._merge(x)
 
+    def _patch_embed(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """[N, embed_dim]: each patch through the patch embedding; ValueError when the pixel
+        rows do not match the grids."""
+        if pixel_values.shape != (sum(t * h * w for t, h, w in grid_thw), self.cfg.patch_dim):
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match grids {grid_thw}")
+        pixels = pixel_values.to(device=self.device, dtype=self.dtype)
+        return F.linear(pixels, self.weights["patch_embed.proj.weight"])
+
     def _block(
         self, x: torch.Tensor, prefix: str, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
     ) -> torch.Tensor:
         x = x + self._attention(self._norm(x, prefix + "norm1"), prefix + "attn.", cos, sin, lengths)
-        h = self.act(self._linear(self._norm(x, prefix + "norm2"), prefix + "mlp.fc1"))
-        return x + self._linear(h, prefix + "mlp.fc2")
+        return x + self._mlp(self._norm(x, prefix + "norm2"), prefix + "mlp.")
+
+    def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
+        return self._linear(self.act(self._linear(h, prefix + "fc1")), prefix + "fc2")
 
     def _attention(
         self, h: torch.Tensor, prefix: str, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
@@ -188,12 +218,7 @@ class Qwen2VisionEncoder(torch.nn.Module):
         n, heads, d = h.shape[0], self.cfg.num_heads, self.cfg.head_dim
         q, k, v = self._linear(h, prefix + "qkv").view(n, 3, heads, d).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        outs = [
-            F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), scale=d**-0.5)
-            for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
-        ]  # each [heads, frame, d]: a frame's patches see one another only
-        out = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, heads * d)
-        return self._linear(out, prefix + "proj")
+        return self._linear(frame_attention(q, k, v, lengths, d**-0.5), prefix + "proj")
 
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         window = self.cfg.spatial_merge_size**2

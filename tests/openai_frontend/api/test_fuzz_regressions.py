@@ -19,9 +19,11 @@ def test_a_content_part_whose_type_is_not_a_string_is_a_validation_error():
         ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": {}, "text": ""}]}])
 
 
-def test_a_non_text_part_is_still_named():
-    with pytest.raises(ValidationError, match="not image_url"):
+def test_a_malformed_or_unknown_part_is_still_named():
+    with pytest.raises(ValidationError, match="image_url"):
         ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ValidationError, match="input_audio are not supported"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "input_audio"}]}])
 
 
 def test_a_huge_timeout_is_a_validation_error():
