@@ -1,7 +1,8 @@
 """`--dump DIR`: one JSON file per request, for debugging what happened to it.
 
 Each file (named by the response id) holds the incoming body, the request sent to
-Triton for each choice (its tensors, as lists), each choice's final event (every field
+Triton for each choice (its tensors, as lists; images' pixels as their shape and content
+hashes), each choice's final event (every field
 of the contract's FinalEvent) and the response body (for a stream: its SSE text). Off by default; written when the
 response is complete, so a file is never half a request.
 """
@@ -39,8 +40,13 @@ class RequestDump:
         }
 
     def tensors(self, request: GenerationRequest) -> None:
+        """The request's tensors; the pixels (megabytes) as their shape and each item's hash."""
         arrays = contract.encode_request(request)
-        self.record["tensors"].append({name: _jsonable(array) for name, array in arrays.items()})
+        record = {name: _jsonable(array) for name, array in arrays.items() if name != "vision_pixels"}
+        if "vision_pixels" in arrays:
+            hashes = [item.content_hash for item in request.vision]
+            record["vision_pixels"] = {"shape": list(arrays["vision_pixels"].shape), "content_hashes": hashes}
+        self.record["tensors"].append(record)
 
     def final(self, index: int, final: FinalEvent) -> None:
         record = {name: value.value if isinstance(value, Enum) else value for name, value in asdict(final).items()}

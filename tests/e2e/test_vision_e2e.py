@@ -149,6 +149,43 @@ def test_concurrent_image_requests_each_get_their_own_answer(client, model, refe
     assert got == expected
 
 
+def test_a_video_as_frames_equals_transformers_and_a_file_is_sampled(client, model, folder):
+    """A frames list (4 frames: two temporal patches) against transformers on the same
+    patches; an MP4 of 2 s at 10 fps is sampled at VIDEO_FPS (2) to the same 4 frames."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from openai_frontend.media.images import Qwen2VLImages
+    from tests.helpers.media import video_bytes
+
+    frames = [picture(84, 56, 20 + i) for i in range(4)]
+    prepared = Qwen2VLImages.from_folder(folder).video_frames(frames)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    content = [{"type": "text", "text": "What happens?"}, {"type": "video"}]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)  # fmt: skip
+    pad = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    prompt = [t for token in ids for t in ([pad] * prepared.num_tokens if token == pad else [token])]
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            mm_token_type_ids=torch.tensor([[2 * (t == pad) for t in prompt]]),
+            pixel_values_videos=torch.from_numpy(prepared.pixel_values),
+            video_grid_thw=torch.tensor([prepared.grid_thw]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    expected = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
+    urls = [data_url(f) for f in frames]
+    response = ask(client, model, [{"type": "text", "text": "What happens?"}, {"type": "video", "video": urls}])
+    assert response.choices[0].message.content == expected
+    assert response.usage.prompt_tokens == len(prompt)
+    mp4 = "data:video/mp4;base64," + base64.b64encode(video_bytes(20, 10, width=84, height=56)).decode()
+    from_file = ask(client, model, [{"type": "text", "text": "What happens?"},
+                                    {"type": "video_url", "video_url": {"url": mp4}}])  # fmt: skip
+    assert from_file.usage.prompt_tokens == len(prompt)
+
+
 def _post(vlm_stack, model, content) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     return httpx.post(f"{vlm_stack.base_url}/chat/completions", json=body, timeout=120)
