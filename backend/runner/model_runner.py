@@ -110,7 +110,7 @@ class ModelRunner:
         if self.lora is not None:
             batch.lora = lora_batch(scheduled, batch.query_start, self.lora, self.device)
         if self.mrope:
-            batch.mrope_positions = mrope_ids(scheduled, self.device)
+            batch.mrope_positions = mrope_ids(scheduled, batch.positions)
         if self.encoder_cache is not None:
             spliced = vision_embeds(scheduled, batch.query_start, self.model.visual, self.encoder_cache,
                                     self.model_config.vision.merge_size)  # fmt: skip

@@ -11,6 +11,7 @@ kept there for the chunks and requests that follow.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from backend.contract.vision import VisionItem
@@ -18,17 +19,19 @@ from backend.core.step import ScheduledSeq
 from backend.vision.encoder_cache import EncoderCache
 
 
-def mrope_ids(scheduled: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
-    """[3, T] int64 ids of the step's tokens, in the flat batch's order."""
-    pieces = []
+def mrope_ids(scheduled: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
+    """[3, T] int64 ids of the step's tokens (the flat batch's `positions` [T] in all three
+    rows, a vision sequence's slice from its state): the per-token path pays only for the
+    vision sequences in the step."""
+    ids = positions.expand(3, -1).clone()
+    at = 0
     for item in scheduled:
-        seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
+        seq, n = item.seq, item.num_new_tokens
         if seq.vision is not None:
-            pieces.append(seq.vision.positions_of(start, end))
-        else:
-            pieces.append(torch.arange(start, end).expand(3, -1))
-    return torch.cat(pieces, dim=1).to(device)
+            start = seq.num_computed_tokens
+            ids[:, at : at + n] = seq.vision.positions_of(start, start + n).to(ids.device)
+        at += n
+    return ids
 
 
 def vision_embeds(
@@ -78,7 +81,5 @@ def _embeddings(items: list[VisionItem], encoder, cache: EncoderCache, merge: in
     return found
 
 
-def _stacked(items: list[VisionItem]):
-    import numpy as np
-
+def _stacked(items: list[VisionItem]) -> np.ndarray:
     return np.concatenate([item.pixels for item in items]) if len(items) > 1 else items[0].pixels
