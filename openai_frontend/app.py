@@ -11,7 +11,9 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from openai_frontend.api import lora
+from openai_frontend.anthropic.errors import AnthropicErrors
+from openai_frontend.anthropic.routes import router as anthropic_router
+from openai_frontend.api import lora, tokenize
 from openai_frontend.api.errors import install_handlers
 from openai_frontend.api.routes import router
 from openai_frontend.api.serving import Serving
@@ -21,6 +23,7 @@ from openai_frontend.media.settings import MediaSettings
 from openai_frontend.operations.auth import KeyRing
 from openai_frontend.operations.gate import Gate
 from openai_frontend.operations.limits import Limits, LimitSettings
+from openai_frontend.responses_api.routes import router as responses_router
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,10 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     app.state.lora_admin = lora_admin
     install_handlers(app, on_error=count_error)
     app.include_router(router)
+    app.include_router(tokenize.router)  # vLLM's /tokenize and /detokenize
     app.include_router(lora.router)
+    app.include_router(responses_router)
     app.add_middleware(Gate, keys=keys, limits=limits, on_error=count_error)
+    app.include_router(anthropic_router)  # Anthropic's /v1/messages (anthropic/routes.py)
+    app.add_middleware(AnthropicErrors)  # outside the gate: its refusals in Anthropic's shape there too
     return app

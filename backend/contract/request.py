@@ -172,6 +172,8 @@ class GenerationRequest:
     grammar_kind: str = ""
     grammar_spec: str = ""
     lookup_tenant: str = ""  # scopes the prefix cache (the API key's tenant)
+    cache_salt: str = ""  # vLLM's: a further prefix-cache scope within the tenant ("": none)
+    priority: int = 0  # vLLM's: lower runs sooner, when the engine's SCHEDULING_POLICY is priority
     stream: bool = False  # False: the model sends one response at the end
     disable_mtp: bool = False  # never draft for this request (every proposer)
     prediction_tokens: tuple[int, ...] = ()  # OpenAI's Predicted Outputs: the expected output, tokenized

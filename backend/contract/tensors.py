@@ -70,6 +70,8 @@ def _guards(name: str, dtype: str) -> TensorSpec:
 REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("prompt_tokens", "int32", LIST),
     TensorSpec("lookup_tenant", "bytes"),
+    TensorSpec("cache_salt", "bytes"),
+    TensorSpec("priority", "int32"),
     TensorSpec("stream", "bool"),
     TensorSpec("grammar_kind", "bytes"),
     TensorSpec("grammar_spec", "bytes"),

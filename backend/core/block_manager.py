@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import enum
 import hashlib
+import json
 from dataclasses import dataclass
 
 from backend.core.sequence import EncoderState, Sequence
@@ -43,10 +44,12 @@ class KVEvent:
 
 
 def _root_hash(seq: Sequence) -> bytes:
-    """A chain's root: the tenant, the adapter version and, for a translation, its source
-    (the decoder's tokens mean nothing without it)."""
+    """A chain's root: the tenant, the request's cache salt (a scope within the tenant), the
+    adapter version and, for a translation, its source (the decoder's tokens mean nothing
+    without it)."""
     version = seq.adapter.version if seq.adapter is not None else 0
-    root = hashlib.sha256(f"root\0{seq.request.lookup_tenant}\0{version}".encode()).digest()[:16]
+    scope = json.dumps(["root", seq.request.lookup_tenant, seq.request.cache_salt, version])  # no salt spells a tenant
+    root = hashlib.sha256(scope.encode()).digest()[:16]
     return chain_hash(root, seq.encoder.tokens) if seq.encoder is not None else root
 
 

@@ -31,6 +31,7 @@ class EngineConfig:
     lora_modules: str = ""
     active_lora: str = ""
     max_beams: int = 8  # num_beams a request may ask for
+    scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority`, lower sooner)
     encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
 
     @classmethod
@@ -65,6 +66,7 @@ class EngineConfig:
             else:
                 setattr(cfg, attr, value)
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
+        cfg.scheduling_policy = env.get("SCHEDULING_POLICY") or cfg.scheduling_policy
         cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None
         cfg.lora_modules = env.get("LORA_MODULES", "").strip()
         cfg.active_lora = env.get("ACTIVE_LORA", "").strip()

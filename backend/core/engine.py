@@ -75,6 +75,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.speculator,
             self.runner.lora,
+            config.scheduling_policy,
         )
         self.vision = getattr(mc, "vision", None) if self.translation is None else None  # None: text only
         if self.vision is not None:
@@ -153,6 +154,8 @@ class LLMEngine:
         if encoder is None and (request.src_lang_id or request.tgt_lang_id):
             field = "src_lang_id" if request.src_lang_id else "tgt_lang_id"
             raise ContractError(field, "this model does not translate")
+        if request.priority and self.config.scheduling_policy != "priority":
+            raise ContractError("priority", "this server schedules first come, first served (SCHEDULING_POLICY=fcfs)")
         vision = self._vision_state(request)
         guard_state = self.guards.admit(request, arrival, prepared.grammar)
         seq = Sequence.of(request_id, request, arrival, guard_state, encoder)

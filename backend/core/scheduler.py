@@ -5,8 +5,9 @@ do): `add`, `schedule` a step, `update` from what the step computed (append toke
 consult the guards, finish), `abort`. Each step, running sequences come first (a
 decode costs one token, an unfinished prompt a chunk of it), then waiting sequences
 are admitted while the budget, `max_num_seqs` and the block pool allow. When the pool
-runs dry for a running sequence, the most recently admitted one is preempted: its
-blocks are freed and it goes back to the front of the queue, to be recomputed (its
+runs dry for a running sequence, the most recently admitted one (SCHEDULING_POLICY=
+priority: the lowest priority; backend.core.ordering) is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed (its
 cached prefix blocks usually survive, so the recompute is mostly cache hits). A beam
 request's rows are one unit throughout (backend.core.beam_scheduling).
 """
@@ -20,6 +21,7 @@ from backend.contract import ContractError, FinishGuard, FinishReason, Logprob, 
 from backend.core.admission import Admission
 from backend.core.beam_scheduling import BeamScheduling
 from backend.core.block_manager import BlockManager
+from backend.core.ordering import POLICIES, Ordering
 from backend.core.outputs import final_event, token_output
 from backend.core.sequence import Sequence, SequenceStatus
 from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
@@ -29,7 +31,7 @@ from backend.lora.lanes import LoraLanes
 from backend.speculation.speculator import Speculator
 
 
-class Scheduler(Admission, BeamScheduling, VisionScheduling):
+class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -38,7 +40,11 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling):
         max_num_batched_tokens: int,
         speculator: Speculator | None = None,
         lora: LoraLanes | None = None,
+        policy: str = "fcfs",
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"SCHEDULING_POLICY must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy  # the order sequences are served in (backend.core.ordering)
         self.block_manager = block_manager
         self.lora = lora  # the adapters' lanes: a sequence with an adapter runs only while it holds one
         self.guards = guards
@@ -58,7 +64,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling):
         if seq.request_id in self.requests:
             raise ContractError("request_id", f"{seq.request_id!r} is already in flight")
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self._queue(seq)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (abort) comes out of the next update."""
@@ -109,6 +115,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling):
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
+        self._order_running()  # for the next step: the policy's order
         if self.speculator is not None and not out.preempted:
             self._add_drafts(out, budget)
         self.num_preemptions += len(out.preempted)
@@ -181,7 +188,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling):
         if seq.encoder is not None:
             self.block_manager.free_encoder(seq.encoder)
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
 
     # -- one step: update from what it computed ---------------------------------
 

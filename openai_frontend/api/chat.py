@@ -12,7 +12,7 @@ from backend.contract.vision import VisionItem
 from openai_frontend.api.chat_protocol import ChatCompletionRequest
 from openai_frontend.api.errors import bad_request
 from openai_frontend.api.logprobs import chat_logprobs
-from openai_frontend.api.request_builder import build_request, validated
+from openai_frontend.api.request_builder import build_request, returns_token_ids, validated
 from openai_frontend.api.responses import (
     AssistantMessage,
     ChatChoice,
@@ -35,11 +35,11 @@ from openai_frontend.parsing.chat_tools import ChatTools
 async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     reply = await serving.start(body, "chat", "chatcmpl")
     info, dump = reply.info, reply.dump
-    vision = await _vision(serving, body, info)
+    vision = await chat_vision(serving, body, info)
     messages = [m.template_dict() for m in body.messages]
     tools = ChatTools.of(serving.tool_parser, body)
     ticket = ticket_of(request)
-    generation = _request(serving, body, messages, tools, reply, ticket.tenant, vision)
+    generation = chat_request(serving, body, messages, tools, reply, ticket.tenant, vision)
     streams = serving.generate(body, [generation], "chat", ticket, dump)
     reasoning = ChatReasoning.of(info)
     token_text = serving.tokenization.token_text
@@ -48,8 +48,10 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
         return chat_logprobs(delta.logprobs, token_text) if body.logprobs and delta.logprobs is not None else None
 
     if body.stream:
-        streams = [_parsed(stream, reasoning, tools) for stream in streams]
+        streams = [parsed_stream(stream, reasoning, tools) for stream in streams]
         fmt = ChatChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
+        if returns_token_ids(body):
+            fmt.prompt_token_ids = [list(generation.prompt_tokens)]
         return await serving.stream(body, streams, fmt, request, dump, searching=generation.num_beams > 1)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, reasoning, tools, logprobs(i, whole)) for i, whole in enumerate(wholes)]
@@ -57,10 +59,14 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
     response = ChatCompletionResponse(
         id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=usage_of(finals, body.n)
     )
+    if returns_token_ids(body):  # vLLM's shape: the prompt's tokens top-level, each choice's own
+        response.prompt_token_ids = list(generation.prompt_tokens)
+        for choice, whole in zip(choices, wholes, strict=True):
+            choice.token_ids = whole.token_ids
     return json_response(response, finals, dump)
 
 
-def _request(
+def chat_request(
     serving: Serving,
     body: ChatCompletionRequest,
     messages: list[dict[str, Any]],
@@ -71,7 +77,7 @@ def _request(
 ) -> GenerationRequest:
     """The conversation's prompt (each image's and video's placeholder expanded), and the request for it."""
     tokenization, info = serving.tokenization, reply.info
-    prompt = _prompt(tokenization, body, messages, tools, info)
+    prompt = chat_prompt(tokenization, body, messages, tools, info)
     if info.vision is not None:
         prompt = expand_placeholders(prompt, vision, info.vision)
     # Stop strings are matched here, so the model streams to let us cancel it early.
@@ -87,7 +93,7 @@ def _request(
     return validated(body, generation, info)
 
 
-async def _vision(serving: Serving, body: ChatCompletionRequest, info: ModelInfo) -> tuple[VisionItem, ...]:
+async def chat_vision(serving: Serving, body: ChatCompletionRequest, info: ModelInfo) -> tuple[VisionItem, ...]:
     """The messages' images and videos, checked and preprocessed (media/parts.py); a 400
     naming the first bad part."""
     parts = media_parts(body.messages)
@@ -98,7 +104,7 @@ async def _vision(serving: Serving, body: ChatCompletionRequest, info: ModelInfo
     return await prepare_items(parts, processor, serving.media, info.max_model_len)
 
 
-def _prompt(
+def chat_prompt(
     tokenization: Tokenization,
     body: ChatCompletionRequest,
     messages: list[dict[str, Any]],
@@ -119,7 +125,7 @@ def _prompt(
     return tokenization.encode_chat(template_messages, body.tools if in_template else None, body.template_kwargs())
 
 
-def _parsed(
+def parsed_stream(
     deltas: AsyncIterator[Delta], reasoning: ChatReasoning | None, tools: ChatTools | None
 ) -> AsyncIterator[Delta]:
     """A streamed choice with its thinking split off, then its tool calls parsed out."""

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 from backend.contract import ModelInfo
 from openai_frontend.api.logprobs import CompletionLogprobs
 from openai_frontend.api.protocol import CompletionRequest
-from openai_frontend.api.request_builder import build_request, validated
+from openai_frontend.api.request_builder import build_request, returns_token_ids, validated
 from openai_frontend.api.responses import CompletionChoice, CompletionResponse, guard_fields, usage_of
 from openai_frontend.api.serving import Serving, json_response
 from openai_frontend.api.sse import CompletionChunkFormat
@@ -46,10 +46,15 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
 
     if body.stream:
         fmt = CompletionChunkFormat(reply.id, reply.created, reply.model, body.include_usage(), logprobs, body.n)
+        if returns_token_ids(body):
+            fmt.prompt_token_ids = [list(generation.prompt_tokens) for generation in requests]
         return await serving.stream(body, streams, fmt, request, dump, searching=requests[0].num_beams > 1)
     wholes = await serving.until_done(body, collect_all(streams), request)
     choices = [_choice(i, whole, logprobs(i, whole)) for i, whole in enumerate(wholes)]
     finals = [whole.final for whole in wholes]
+    if returns_token_ids(body):  # vLLM's shape: each choice its prompt's tokens and its own
+        for i, (choice, whole) in enumerate(zip(choices, wholes, strict=True)):
+            choice.prompt_token_ids, choice.token_ids = list(requests[i // body.n].prompt_tokens), whole.token_ids
     response = CompletionResponse(
         id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=usage_of(finals, body.n)
     )

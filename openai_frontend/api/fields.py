@@ -117,7 +117,6 @@ COMPLETIONS: dict[str, FieldRule] = {
     "suffix": _partly("insertion (a suffix) is not supported", lambda value: value == ""),
 }
 
-_VLLM_STRUCTURED = "vLLM's structured outputs are not supported yet: use response_format (json_schema or json_object)"
 EXTENSIONS: dict[str, FieldRule] = {
     "top_k": _supported("top-k filtering (-1 or 0: off)"),
     "min_p": _supported("min-p filtering"),
@@ -134,18 +133,19 @@ EXTENSIONS: dict[str, FieldRule] = {
     "src_lang": _supported("a translation model's source language (a FLORES-200 code)"),
     "tgt_lang": _supported("a translation model's target language (a FLORES-200 code)"),
     "prompt_logprobs": _refused("use echo with logprobs (completions) for the prompt's logprobs"),
-    "structured_outputs": _refused(_VLLM_STRUCTURED),
-    **{
-        name: _refused(_VLLM_STRUCTURED)
-        for name in (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "guided_whitespace_pattern",
-        )  # fmt: skip
-    },
+    # vLLM's structured outputs (api/structured.py): one form at a time, response_format included
+    "structured_outputs": _supported(
+        "vLLM's: one of json, regex, choice, grammar (EBNF), json_object, structural_tag; enforced by a grammar"
+    ),
+    "guided_json": _supported("vLLM's older structured_outputs.json: a JSON schema"),
+    "guided_regex": _supported("vLLM's older structured_outputs.regex: the whole output matches it"),
+    "guided_choice": _supported("vLLM's older structured_outputs.choice: the output is one of the strings"),
+    "guided_grammar": _supported("vLLM's older structured_outputs.grammar: an EBNF grammar (xgrammar's)"),
+    "guided_decoding_backend": _partly(
+        "xgrammar is the one backend here", lambda value: value in ("xgrammar", "auto", "")
+    ),
+    "guided_whitespace_pattern": _refused("JSON whitespace is fixed here (one line, json.dumps' separators)"),
+    "return_token_ids": _supported("vLLM's: each choice's token_ids and the response's prompt_token_ids"),
 }
 
 # completions' own extensions: chat's Predicted Outputs
@@ -160,11 +160,13 @@ CHAT_EXTENSIONS: dict[str, FieldRule] = {
 
 # Fields of the contract's request a client may not set by name: the frontend derives them
 # from the body (the logprob fields shape the response, which the body's own fields ask for;
-# num_return_sequences is a search's `n`, the language ids come from src_lang / tgt_lang);
-# model_info and adapter_command are inputs of queries, not of requests.
+# num_return_sequences is a search's `n`, the language ids come from src_lang / tgt_lang,
+# the vision tensors from a chat's image and video parts); model_info and adapter_command are
+# inputs of queries, not of requests.
 DERIVED = frozenset(
     {"prompt_tokens", "stream", "lookup_tenant", "model_info", "adapter_command", "logprobs", "top_logprobs",
-     "num_return_sequences", "src_lang_id", "tgt_lang_id"}
+     "num_return_sequences", "src_lang_id", "tgt_lang_id", "vision_kinds", "vision_grids", "vision_pixels",
+     "vision_seconds"}
 )  # fmt: skip
 
 

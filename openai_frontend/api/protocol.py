@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from openai_frontend.api.errors import bad_request
 from openai_frontend.api.fields import COMPLETION_EXTENSIONS, COMPLETIONS, FieldRule, refusal
+from openai_frontend.api.structured import structured_param
 
 MAX_CHOICES = 8  # `n`: each choice is its own model request (the prefix cache shares the prompt)
 MAX_PROMPT_CHOICES = 64  # completions: prompts x n, each a model request (the engine's default batch)
@@ -232,6 +233,10 @@ class GenerationBody(BaseModel):
         """The body field behind a field of the contract's request, to name it in an error."""
         if field == "prompt_tokens":
             return self.PROMPT_PARAM
+        if field in ("grammar_kind", "grammar_spec"):  # vLLM's structured outputs name their own field
+            named = structured_param(self)
+            if named is not None:
+                return named
         return _PARAM_OF_FIELD.get(field, field)
 
 

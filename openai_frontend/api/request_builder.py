@@ -29,6 +29,7 @@ from openai_frontend.api.beams import beam_settings
 from openai_frontend.api.errors import OpenAIError, bad_request
 from openai_frontend.api.fields import forwardable
 from openai_frontend.api.protocol import GenerationBody
+from openai_frontend.api.structured import grammar_of
 from openai_frontend.api.translation import apply_languages
 
 # reasoning_effort -> the thinking budget (None: the model's own); "none" turns thinking off
@@ -56,7 +57,7 @@ def build_request(
         list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream,
         prediction_tokens=tuple(prediction), adapter_slot=adapter_slot,
     )  # fmt: skip
-    grammar = body.grammar()
+    grammar = grammar_of(body)  # response_format, or vLLM's structured outputs
     if grammar is not None:
         request.grammar_kind, request.grammar_spec = grammar
     beams.apply(request, body.n)
@@ -66,6 +67,11 @@ def build_request(
     except ContractError as exc:
         raise _refusal(body, exc) from None
     return request
+
+
+def returns_token_ids(body: GenerationBody) -> bool:
+    """vLLM's return_token_ids: the choices carry their tokens, the response its prompt's."""
+    return bool((body.model_extra or {}).get("return_token_ids"))
 
 
 def validated(body: GenerationBody, request: GenerationRequest, info: ModelInfo) -> GenerationRequest:

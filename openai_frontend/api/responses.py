@@ -51,6 +51,8 @@ class ChatChoice(BaseModel):
     finish_reason: str
     finish_guard: str | None = _guard()  # eos, max_tokens, stop_string, content_loop, deadline, ...
     thinking_guard: str | None = _guard()  # thinking_budget, thinking_loop
+    # vLLM's return_token_ids: the completion's tokens
+    token_ids: list[int] | None = Field(None, exclude_if=lambda ids: ids is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -60,6 +62,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda ids: ids is None)  # vLLM's return_token_ids
 
 
 class CompletionChoice(BaseModel):
@@ -69,6 +72,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     finish_guard: str | None = _guard()
     thinking_guard: str | None = _guard()
+    # vLLM's return_token_ids: this choice's prompt, and its completion's tokens
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda ids: ids is None)
+    token_ids: list[int] | None = Field(None, exclude_if=lambda ids: ids is None)
 
 
 class CompletionResponse(BaseModel):

@@ -49,6 +49,9 @@ class ChunkFormat:
 
     object = ""
     usage_on_every_chunk = True
+    # vLLM's return_token_ids: each choice's prompt tokens (None: not asked); each chunk then
+    # carries its tokens, and the first one (chat: the role chunks) the prompt's
+    prompt_token_ids: list[list[int]] | None = None
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class ChunkFormat:
         self._include_usage = include_usage
         self._logprobs = logprobs
         self._choices_per_prompt = choices_per_prompt
+        self._prompts_shown: set[int] = set()  # return_token_ids: the choices whose prompt was shown
 
     def opening(self, n: int = 1) -> list[str]:
         return []
@@ -73,7 +77,13 @@ class ChunkFormat:
             choice["logprobs"] = self._logprobs(index, delta)
         if delta is not None and delta.final is not None:  # the choice's finish chunk
             choice.update(guard_fields(delta.final))
+        if self.prompt_token_ids is not None and delta is not None and delta.token_ids is not None:
+            choice["token_ids"] = delta.token_ids
+            self._first_of(index, choice)
         return self._chunk([choice])
+
+    def _first_of(self, index: int, choice: dict[str, Any]) -> None:
+        """return_token_ids: what a choice's first chunk carries besides its tokens."""
 
     def usage(self, finals: list[FinalEvent]) -> str | None:
         """The usage chunk of all the choices' final events (in choice order), if asked."""
@@ -82,8 +92,8 @@ class ChunkFormat:
         usage = usage_of(finals, self._choices_per_prompt)
         return _event({**self._head, "choices": [], "usage": usage.model_dump()})
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> str:
-        payload = {**self._head, "choices": choices}
+    def _chunk(self, choices: list[dict[str, Any]], **head: Any) -> str:
+        payload = {**self._head, **head, "choices": choices}
         if self._include_usage and self.usage_on_every_chunk:
             payload["usage"] = None
         return _event(payload)
@@ -97,7 +107,10 @@ class ChatChunkFormat(ChunkFormat):
 
     def opening(self, n: int = 1) -> list[str]:
         role = {"role": "assistant", "content": ""}
-        return [self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]) for i in range(n)]
+        # vLLM's return_token_ids: the prompt's tokens top-level, on the first chunks
+        head = {} if self.prompt_token_ids is None else {"prompt_token_ids": self.prompt_token_ids[0]}
+        choices = [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)]
+        return [self._chunk([choice], **head) for choice in choices]
 
     def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         message: dict[str, Any] = {"content": text} if text else {}
@@ -116,6 +129,11 @@ class CompletionChunkFormat(ChunkFormat):
 
     def _choice(self, index: int, text: str, finish_reason: str | None, delta: Delta | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _first_of(self, index: int, choice: dict[str, Any]) -> None:
+        if index not in self._prompts_shown:
+            self._prompts_shown.add(index)
+            choice["prompt_token_ids"] = self.prompt_token_ids[index // self._choices_per_prompt]
 
 
 async def sse_events(

@@ -86,8 +86,9 @@ def hypothesis_deltas(
     text, offsets = _text(detokenizer, hypothesis.token_ids, wants_logprobs)
     logprobs = (hypothesis.logprobs or []) if wants_logprobs else None
     head = Delta(text, None, logprobs, offsets, out.prompt_logprobs, out.starts_in_thinking)
+    head.token_ids = list(hypothesis.token_ids)
     empty = [] if wants_logprobs else None
-    return [head, Delta("", event, empty, empty)]
+    return [head, Delta("", event, empty, empty, token_ids=[])]
 
 
 def hypothesis_final(final: FinalEvent, hypothesis: Hypothesis, index: int) -> FinalEvent:

@@ -38,6 +38,7 @@ class Delta:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool-call deltas (chat with tools)
     function_call: dict[str, Any] | None = None  # the same, for the older `functions` form
     reasoning: str = ""  # thinking text (chat with a reasoning model), split from `text`
+    token_ids: list[int] | None = None  # the tokens this delta's text came from (vLLM's return_token_ids)
 
 
 async def generate_text(
@@ -159,27 +160,32 @@ class _Pending:
     def drop_last(self, count: int) -> None:
         """Forget the logprobs of the last `count` tokens received (cut by a stop string).
         Their offsets were never taken: `offsets` stops at the token that completed it."""
-        if count and self.output is not None and self.output.logprobs:
-            del self.output.logprobs[-count:]
+        if count and self.output is not None:
+            del self.output.token_ids[-count:]
+            if self.output.logprobs:
+                del self.output.logprobs[-count:]
 
     def delta(self, text: str, final: FinalEvent | None = None) -> Delta:
         out, self.output = self.output, None
         offsets, self.offsets = self.offsets, []
         if out is None:
-            return Delta(text, final, [] if self.wants_logprobs else None, [] if self.wants_logprobs else None)
+            wanted = [] if self.wants_logprobs else None
+            return Delta(text, final, wanted, None if wanted is None else [], token_ids=[])
         logprobs = (out.logprobs or []) if self.wants_logprobs else None
         offsets = offsets if self.wants_logprobs else None
-        return Delta(text, final, logprobs, offsets, out.prompt_logprobs, out.starts_in_thinking)
+        tokens = list(out.token_ids)
+        return Delta(text, final, logprobs, offsets, out.prompt_logprobs, out.starts_in_thinking, token_ids=tokens)
 
 
 async def collect(deltas: AsyncIterator[Delta]) -> Delta:
     """The whole generation as one delta: all its text, logprobs and its final event
     (non-streaming requests)."""
     whole = Delta("", logprobs=None)
-    parts = []
+    parts, tokens = [], []
     async with aclosing(deltas):
         async for delta in deltas:
             parts.append(delta.text)
+            tokens += delta.token_ids or ()
             if delta.logprobs is not None:
                 whole.logprobs = (whole.logprobs or []) + delta.logprobs
                 whole.text_offsets = (whole.text_offsets or []) + (delta.text_offsets or [])
@@ -188,6 +194,6 @@ async def collect(deltas: AsyncIterator[Delta]) -> Delta:
             if delta.starts_in_thinking is not None:
                 whole.starts_in_thinking = delta.starts_in_thinking
             if delta.final is not None:
-                whole.text, whole.final = "".join(parts), delta.final
+                whole.text, whole.final, whole.token_ids = "".join(parts), delta.final, tokens
                 return whole
     raise EngineError("the generation ended without a final event")

@@ -46,8 +46,9 @@ class KeyRing:
     def open(self) -> bool:
         return not self._tenants
 
-    def tenant(self, authorization: str | None) -> str:
-        """The tenant of an `Authorization: Bearer <key>` header; a 401 without a valid key.
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The tenant of an `Authorization: Bearer <key>` header, or of an `x-api-key: <key>`
+        header (Anthropic's clients send that one); a 401 without a valid key.
 
         Every configured key is compared, in constant time, against digests of equal
         length, so neither the time taken nor an early exit tells how close a guess was.
@@ -55,8 +56,10 @@ class KeyRing:
         if self.open:
             return OPEN_TENANT
         scheme, _, key = (authorization or "").partition(" ")
+        if (scheme.lower() != "bearer" or not key.strip()) and api_key and api_key.strip():
+            scheme, key = "bearer", api_key
         if scheme.lower() != "bearer" or not key.strip():
-            raise _unauthorized("Missing API key: send it as `Authorization: Bearer <key>`.")
+            raise _unauthorized("Missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.")
         presented = _digest(key.strip())
         found = None
         for digest, tenant in self._tenants:

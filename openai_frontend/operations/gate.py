@@ -11,7 +11,9 @@ from openai_frontend.api.errors import INVALID_REQUEST, OpenAIError, error_respo
 from openai_frontend.operations.auth import KeyRing
 from openai_frontend.operations.limits import Limits, Ticket
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+# outside /v1/ yet behind the same keys and body bound: vLLM's tokenizer routes (api/tokenize.py)
+GATED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class Gate:
@@ -34,13 +36,14 @@ class Gate:
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        gated = scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in GATED_PATHS)
+        if not gated:
             await self.app(scope, receive, send)
             return
         posted = scope["method"] == "POST"
         generation = posted and scope["path"] in GENERATION_PATHS
         try:
-            tenant = self.keys.tenant(_header(scope, b"authorization"))
+            tenant = self.keys.tenant(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             if posted:
                 _check_content_length(scope, self.limits.settings.max_request_bytes)
             if generation:

@@ -171,8 +171,8 @@ def test_every_completions_field_has_its_effect_or_is_refused_naming_it(app):
     ("body", "param"),
     [
         ({"messages": USER, "stream_options": {"include_obfuscation": True}}, "stream_options"),
-        ({"messages": USER, "guided_regex": "[a-z]+"}, "guided_regex"),
-        ({"messages": USER, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+        ({"messages": USER, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"messages": USER, "structured_outputs": {"lark": "start: x"}}, "structured_outputs.lark"),
         ({"messages": USER, "bogus": 1}, "bogus"),
         ({"messages": USER, "prompt_logprobs": 2}, "prompt_logprobs"),  # computed, then shown nowhere: refused
         ({"messages": USER, "reasoning_effort": "high"}, "reasoning_effort"),  # the default model does not reason
