@@ -17,7 +17,13 @@ def item_id(prefix: str) -> str:
 def head(body: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
     """The response's fields before any output: the request echoed, status in_progress."""
     reasoning = body.reasoning
+    optional = {
+        "user": body.user,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+    }
     return {
+        **{name: value for name, value in optional.items() if value is not None},  # strings in the spec, never null
         "id": response_id,
         "object": "response",
         "created_at": created,
@@ -34,8 +40,6 @@ def head(body: ResponsesRequest, response_id: str, created: int, model: str) -> 
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": reasoning.effort if reasoning else None, "summary": None},
-        "safety_identifier": body.safety_identifier,
-        "prompt_cache_key": body.prompt_cache_key,
         "service_tier": "default",
         "temperature": body.temperature,
         "text": {"format": body.format_dict(), "verbosity": "medium"},
@@ -43,9 +47,7 @@ def head(body: ResponsesRequest, response_id: str, created: int, model: str) -> 
         "tools": [_echo_tool(tool) for tool in body.tools or []],
         "top_p": body.top_p,
         "truncation": "disabled",
-        "usage": None,
-        "user": body.user,
-    }
+    }  # usage comes with the output (an object in the spec, never null)
 
 
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:

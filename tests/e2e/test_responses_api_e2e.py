@@ -133,3 +133,50 @@ def test_store_get_delete_and_tenants(keyed, model):
     unstored = alice.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(unstored.id)
+
+
+def _spec_errors(name: str, body) -> list[str]:
+    from tests.helpers.openai_spec import validator
+
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"[:300] for e in validator(name).iter_errors(body)]
+
+
+def _event_errors(event: dict) -> list[str]:
+    """`event` against the one ResponseStreamEvent branch its type names (the union's own
+    error would be one line for the whole event)."""
+    from tests.helpers.openai_spec import schemas
+
+    for ref in schemas()["ResponseStreamEvent"]["anyOf"]:
+        name = ref["$ref"].rsplit("/", 1)[-1]
+        if event.get("type") in schemas()[name]["properties"]["type"].get("enum", []):
+            return _spec_errors(name, event)
+    return [f"no ResponseStreamEvent has type {event.get('type')!r}"]
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("forced_tool", [False, True], ids=["text", "function-call"])
+def test_bodies_and_events_follow_openais_spec(stack, model, forced_tool):
+    """OpenAI's published OpenAPI spec (tests/helpers/openai_spec.json): the Response body,
+    every streamed event (ResponseStreamEvent), a stored response read back, input_tokens."""
+    import httpx
+
+    body = {"model": model, "input": "What is the weather in Paris?", "max_output_tokens": 24, "temperature": 0}
+    if forced_tool:
+        body |= {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    with httpx.Client(base_url=stack.base_url, timeout=120) as http:
+        whole = http.post("/responses", json=body).json()
+        assert _spec_errors("Response", whole) == []
+        assert any(item["type"] == ("function_call" if forced_tool else "message") for item in whole["output"])
+        assert _spec_errors("Response", http.get(f"/responses/{whole['id']}").json()) == []
+        events = _sse_events(http.post("/responses", json=body | {"stream": True}).text)
+        failures = [(event["type"], _event_errors(event)) for event in events if _event_errors(event)]
+        assert events and not failures, failures
+        assert all(_spec_errors("ResponseStreamEvent", event) == [] for event in events)
+        kinds = {event["type"] for event in events}
+        wanted = "response.function_call_arguments.done" if forced_tool else "response.output_text.done"
+        assert wanted in kinds and ("response.completed" in kinds or "response.incomplete" in kinds)
+        counted = http.post("/responses/input_tokens", json={"model": model, "input": "Hi"}).json()
+        assert _spec_errors("TokenCountsResource", counted) == []

@@ -1,7 +1,8 @@
 """OpenAI's published OpenAPI spec, the part this server implements, as data for the tests.
 
 tests/helpers/openai_spec.json holds the operations POST /chat/completions, POST
-/completions, GET /models and GET /models/{model} of github.com/openai/openai-openapi
+/completions, GET /models, GET /models/{model}, POST /responses, GET
+/responses/{response_id} and POST /responses/input_tokens of github.com/openai/openai-openapi
 (openapi.json at commit SPEC_COMMIT), with every component schema they reach. Re-vendor
 with `python -m tests.helpers.openai_spec PATH/TO/openapi.json` (from the repository root).
 
@@ -24,7 +25,10 @@ from referencing.jsonschema import DRAFT202012
 
 SPEC_COMMIT = "f85dbe223d40e1a31cba812ab2d755c7e98a92a3"  # 2026-08-21
 SPEC_FILE = Path(__file__).with_name("openai_spec.json")
-OPERATIONS = (("/chat/completions", "post"), ("/completions", "post"), ("/models", "get"), ("/models/{model}", "get"))
+OPERATIONS = (
+    ("/chat/completions", "post"), ("/completions", "post"), ("/models", "get"), ("/models/{model}", "get"),
+    ("/responses", "post"), ("/responses/{response_id}", "get"), ("/responses/input_tokens", "post"),
+)  # fmt: skip
 _BASE = "urn:openai-spec"
 
 
