@@ -144,3 +144,31 @@ def test_bad_guard_settings_are_400_naming_the_field(stack, model):
     assert response.json()["error"]["param"] == "repetition_detection.max_pattern_size"
     response = httpx.post(f"{stack.base_url}/completions", json={**body, "repetition_detection": {"bogus": 1}})
     assert response.status_code == 400
+
+
+def test_the_responses_api_gives_a_reasoning_item_whole_and_streamed(thinker):
+    """Responses: reasoning.effort turns thinking on; the thought is a reasoning item (its
+    reasoning_text), counted in output_tokens_details, and streamed as reasoning_text deltas."""
+    model = thinker.models.list().data[0].id
+    kwargs = {"model": model, "input": QUESTION[0]["content"], "reasoning": {"effort": "low"}, "temperature": 0,
+              "max_output_tokens": 48}  # fmt: skip
+    whole = thinker.responses.create(**kwargs)
+    reasoning = [item for item in whole.output if item.type == "reasoning"]
+    assert reasoning and reasoning[0].content and reasoning[0].content[0].text
+    assert whole.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(thinker.responses.create(**kwargs, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reasoning[0].content[0].text
+    assert "<think>" not in whole.output_text
+
+
+def test_anthropics_thinking_is_a_thinking_block(thinking_stack):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=thinking_stack.base_url.removesuffix("/v1"), api_key="x", max_retries=0)
+    model = openai.OpenAI(base_url=thinking_stack.base_url, api_key="x").models.list().data[0].id
+    message = claude.messages.create(model=model, max_tokens=48, messages=QUESTION,
+                                     thinking={"type": "enabled", "budget_tokens": 10})  # fmt: skip
+    kinds = [block.type for block in message.content]
+    assert kinds[0] == "thinking" and message.content[0].thinking
+    assert "text" in kinds and "<think>" not in "".join(b.text for b in message.content if b.type == "text")
