@@ -25,11 +25,10 @@ def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def stop_of(final: FinalEvent, stops: list[str]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence). A stop string's text is cut before it is known which
-    one matched; with several, the sequence named is None (see the report)."""
+def stop_of(final: FinalEvent, stop_string: str | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): `stop_string` is the one that ended the text (Delta's)."""
     if final.finish_guard is FinishGuard.STOP_STRING:
-        return "stop_sequence", stops[0] if len(stops) == 1 else None
+        return "stop_sequence", stop_string
     return _STOP_REASONS.get(final.finish_reason, "end_turn"), None
 
 
@@ -72,9 +71,9 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def message(
-    reply_id: str, model: str, content: list[dict[str, Any]], final: FinalEvent, stops: list[str]
+    reply_id: str, model: str, content: list[dict[str, Any]], final: FinalEvent, stop_string: str | None
 ) -> dict[str, Any]:
-    reason, sequence = stop_of(final, stops)
+    reason, sequence = stop_of(final, stop_string)
     return {
         "id": reply_id,
         "type": "message",

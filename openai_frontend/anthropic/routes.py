@@ -94,11 +94,10 @@ async def _generate(serving: Serving, body: MessagesRequest, chat: ChatCompletio
     generation = chat_handler.chat_request(serving, chat, messages, tools, reply, ticket.tenant, vision)
     (stream,) = serving.generate(chat, [generation], "messages", ticket, reply.dump)
     reasoning = ChatReasoning.of(reply.info)
-    stops = body.stop_sequences or []
     if body.stream:
         start = _start(reply.id, reply.model, len(generation.prompt_tokens))
         parsed = chat_handler.parsed_stream(stream, reasoning, tools)
-        return await _streamed(serving, chat, parsed, start, stops, request, reply.dump)
+        return await _streamed(serving, chat, parsed, start, request, reply.dump)
     (whole,) = await serving.until_done(chat, collect_all([stream]), request)
     thinking, answer = reasoning.split(whole) if reasoning is not None else (None, whole.text)
     calls: list[dict[str, Any]] = []
@@ -106,7 +105,7 @@ async def _generate(serving: Serving, body: MessagesRequest, chat: ChatCompletio
         answer, calls = tools.parse(answer)
         tools.settle(whole.final, bool(calls))
     content = responses.blocks(thinking, answer, calls)
-    payload = responses.message(reply.id, reply.model, content, whole.final, stops)
+    payload = responses.message(reply.id, reply.model, content, whole.final, whole.stop_string)
     if reply.dump is not None:
         reply.dump.response(payload)
     return JSONResponse(payload, headers={FINISH_GUARD_HEADER: whole.final.finish_guard.value})
@@ -126,7 +125,6 @@ async def _streamed(
     chat: ChatCompletionRequest,
     deltas: AsyncIterator[Delta],
     start: dict[str, Any],
-    stops: list[str],
     request: Request,
     dump: RequestDump | None,
 ) -> Response:
@@ -143,7 +141,7 @@ async def _streamed(
         serving.metrics.errors[error.status] += 1
         return error
 
-    events = message_events(start, first, deltas, stops, to_error)
+    events = message_events(start, first, deltas, to_error)
     if dump is not None:
         events = dump.recorded(events)
     return StreamingResponse(events, media_type="text/event-stream")

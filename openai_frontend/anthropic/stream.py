@@ -74,7 +74,6 @@ async def message_events(
     start: dict[str, Any],
     first: Delta,
     rest: AsyncIterator[Delta],
-    stops: list[str],
     to_error: Callable[[Exception], AnthropicError],
 ) -> AsyncIterator[str]:
     """The whole event stream of one choice; `first` was awaited before the response
@@ -88,7 +87,7 @@ async def message_events(
                 for line in _piece_events(blocks, delta):
                     yield line
                 if delta.final is not None:
-                    for line in _closing(blocks, delta, stops):
+                    for line in _closing(blocks, delta):
                         yield line
                     return
             raise EngineError("the generation ended without a final event")
@@ -96,8 +95,8 @@ async def message_events(
             yield event("error", {"error": to_error(exc).error()})
 
 
-def _closing(blocks: _Blocks, delta: Delta, stops: list[str]) -> list[str]:
-    reason, sequence = responses.stop_of(delta.final, stops)
+def _closing(blocks: _Blocks, delta: Delta) -> list[str]:
+    reason, sequence = responses.stop_of(delta.final, delta.stop_string)
     ending = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": responses.usage(delta.final)}
     return [*blocks.stop(), event("message_delta", ending), event("message_stop", {})]
 

@@ -39,6 +39,7 @@ class Delta:
     function_call: dict[str, Any] | None = None  # the same, for the older `functions` form
     reasoning: str = ""  # thinking text (chat with a reasoning model), split from `text`
     token_ids: list[int] | None = None  # the tokens this delta's text came from (vLLM's return_token_ids)
+    stop_string: str | None = None  # on the last delta: the stop string that ended the text, if one did
 
 
 async def generate_text(
@@ -64,7 +65,9 @@ async def generate_text(
                 final = FinalEvent(
                     FinishReason.STOP, FinishGuard.STOP_STRING, len(request.prompt_tokens), text_of.received
                 )
-                yield text_of.pending.delta(text, clock.stamp(final))
+                last = text_of.pending.delta(text, clock.stamp(final))
+                last.stop_string = text_of.matcher.matched
+                yield last
                 return
             if out.final is not None:
                 yield text_of.pending.delta(text, checked_final(out.final))
@@ -195,5 +198,6 @@ async def collect(deltas: AsyncIterator[Delta]) -> Delta:
                 whole.starts_in_thinking = delta.starts_in_thinking
             if delta.final is not None:
                 whole.text, whole.final, whole.token_ids = "".join(parts), delta.final, tokens
+                whole.stop_string = delta.stop_string
                 return whole
     raise EngineError("the generation ended without a final event")

@@ -17,6 +17,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Add new text; return the part that is safe to release."""
@@ -25,7 +26,7 @@ class StopMatcher:
         if not self._stops:
             return text
         text = self._held + text
-        cut = self._first_stop(text)
+        cut, self.matched = self._first_stop(text)
         if cut is not None:
             self.stopped = True
             self._held = ""
@@ -39,9 +40,13 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_stop(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        return min(found) if found else None
+    def _first_stop(self, text: str) -> tuple[int | None, str | None]:
+        """(where the first stop string starts, which one: at one place, the longest)."""
+        found = [(i, -len(s), s) for s, i in ((s, text.find(s)) for s in self._stops) if i >= 0]
+        if not found:
+            return None, None
+        at, _, stop = min(found)
+        return at, stop
 
     def _partial_stop_length(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop."""

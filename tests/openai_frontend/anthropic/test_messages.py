@@ -4,6 +4,7 @@ SDK and by raw HTTP; every body held to the SDK's own types, strictly."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 
 import anthropic
@@ -164,6 +165,22 @@ def test_stop_sequences_and_sampling_reach_the_request(make_app, tokenization):
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", " two")
     sampling = engine.requests[-1].sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens) == (0.5, 0.8, 7, 20)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_of_several_stop_sequences_the_one_that_matched_is_named(make_app, tokenization, stream):
+    engine = _engine(tokenization, "one two three four")
+    body = {"model": "smol", "max_tokens": 20, "messages": HI, "stop_sequences": [" four", " three", "xyz"]}
+    if not stream:
+        message = strict(at.Message, _post(make_app(engine), "/v1/messages", body).json())
+        assert (message.content[0].text, message.stop_reason, message.stop_sequence) == (
+            "one two", "stop_sequence", " three")  # fmt: skip
+        return
+    text = _post(make_app(engine), "/v1/messages", {**body, "stream": True}).text
+    ending = [
+        json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and "message_delta" in line
+    ]
+    assert ending[0]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": " three"}
 
 
 def test_thinking_is_a_thinking_block(make_app, tokenization):

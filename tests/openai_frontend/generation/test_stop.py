@@ -41,3 +41,11 @@ def test_held_tail_released_at_the_end():
 
 def test_no_stops_passes_text_through():
     assert _run_stops([], ["a", "b"]) == ("ab", False, ["a", "b", ""])
+
+
+def test_the_matcher_names_the_stop_string_that_ended_the_text():
+    matcher = StopMatcher(["cd", "bcd", "zz"])
+    assert matcher.feed("ab") == "a" and matcher.matched is None  # "b" may start "bcd"
+    assert matcher.feed("cdzz") == "" and matcher.matched == "bcd"  # the first to start; at one place, the longest
+    tie = StopMatcher(["ab", "abc"])
+    assert tie.feed("xabcd") == "x" and tie.matched == "abc"
