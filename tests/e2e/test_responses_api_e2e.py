@@ -9,6 +9,7 @@ import pytest
 from openai.types.responses import Response
 
 from launcher import Stack
+from tests.helpers.strict_types import strict
 
 pytestmark = pytest.mark.e2e
 
@@ -21,10 +22,9 @@ WEATHER = {
 
 
 def _checked(response) -> dict:
-    """The raw body validates as the SDK's Response, and has no key the type lacks."""
+    """The raw body validates as the SDK's Response, strictly, with no key the types lack."""
     body = response.model_dump(mode="json", by_alias=True, exclude_unset=True)
-    Response.model_validate(body)
-    assert set(body) <= set(Response.model_fields), set(body) - set(Response.model_fields)
+    strict(Response, body)  # the SDK's type, strictly, no field it lacks anywhere
     assert body["object"] == "response" and body["id"].startswith("resp_")
     return body
 
