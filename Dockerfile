@@ -9,7 +9,7 @@
 FROM nvcr.io/nvidia/tritonserver:25.01-py3
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3-venv \
+    && apt-get install -y --no-install-recommends python3-venv g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/tritonllm
@@ -35,6 +35,8 @@ COPY launcher launcher
 COPY model_repository model_repository
 # Convert the default model once, at build time: nothing is downloaded at run time.
 RUN python -m backend.runner.convert
+# QUANT's AVX-512 kernels (used on a CPU that has AVX-512; a GPU run does not need them).
+RUN python -m backend.runner.quant.kernels
 
 EXPOSE 8000
 # HOST=0.0.0.0 exposes the API beyond the container: put keys or a proxy in front of it.

@@ -35,6 +35,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     print(f"tritonserver: {install.tritonserver}; backend folder: {install.backend_dir}")
     model = default_model_path()
     print(f"model: {model}")
+    from backend.runner.quant.kernels import main as build_kernels
+
+    build_kernels()  # QUANT's AVX-512 kernels, compiled once here rather than at a server's start
     try:
         check_numpy_abi()
     except SetupError as exc:  # serving fails on it; the unit tests do not
@@ -63,6 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     find_triton()
     model = default_model_path(args.model)
     _warn_if_exposed(args.host)
+    quant = os.environ.get("QUANT") or "auto (int4 on a CPU with AVX-512)"
+    print(f"weights: QUANT={quant}; QUANT=none serves float32 (README: Quantization)", flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     stack = Stack(
         model,

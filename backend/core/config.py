@@ -32,6 +32,12 @@ class EngineConfig:
     active_lora: str = ""
     max_beams: int = 8  # num_beams a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority`, lower sooner)
+    # weight-only quantization of the decoder's linears (backend/runner/quant): none | int8 | int4
+    # | auto (what a server without QUANT gets: int4 where our CPU kernels run and the model's
+    # shapes fit, else none), in groups of quant_group inputs, with zero points unless quant_symmetric
+    quant: str = "none"
+    quant_group: int = 32
+    quant_symmetric: bool = False
     encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
 
     @classmethod
@@ -57,6 +63,7 @@ class EngineConfig:
             ("MAX_CPU_LORAS", "max_cpu_loras"),
             ("MAX_BEAMS", "max_beams"),
             ("ENCODER_CACHE_TOKENS", "encoder_cache_tokens"),
+            ("QUANT_GROUP_SIZE", "quant_group"),
         ):
             value = opt_int(name)
             if value is None:
@@ -66,6 +73,8 @@ class EngineConfig:
             else:
                 setattr(cfg, attr, value)
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
+        cfg.quant = env.get("QUANT") or "auto"
+        cfg.quant_symmetric = env.get("QUANT_SYMMETRIC", "0") not in ("0", "false", "no", "")
         cfg.scheduling_policy = env.get("SCHEDULING_POLICY") or cfg.scheduling_policy
         cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None
         cfg.lora_modules = env.get("LORA_MODULES", "").strip()

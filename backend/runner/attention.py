@@ -15,6 +15,27 @@ import torch
 import torch.nn.functional as F
 
 from backend.runner.forward_batch import ForwardBatch
+from backend.runner.quant.kernels import decode_attention
+
+
+@dataclass(slots=True)
+class PagedKv:
+    """One layer's KV cache [2, num_blocks, block_size, KV, D] with the flat per-slot views
+    attention reads and writes, made once (the model keeps them across steps) rather
+    than by a handful of view ops in every layer of every step."""
+
+    cache: torch.Tensor
+    keys: torch.Tensor  # [num_slots, KV, D]
+    values: torch.Tensor
+    key_rows: torch.Tensor  # [num_slots, KV * D], what a gather reads
+    value_rows: torch.Tensor
+
+
+def paged_kv(kv_cache: torch.Tensor) -> PagedKv:
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    keys, values = (kv_cache[i].view(-1, num_kv_heads, head_dim) for i in (0, 1))
+    rows = num_kv_heads * head_dim
+    return PagedKv(kv_cache, keys, values, keys.view(-1, rows), values.view(-1, rows))
 
 
 @dataclass(slots=True)
@@ -26,6 +47,9 @@ class DecodeRows:
     query_len: int
     slots: torch.Tensor  # [Bd * L] flat KV slot of each context position, padding points at slot 0
     mask: torch.Tensor | None  # [Bd, 1, query_len * G, L] additive (0 or -inf); None: nothing masked
+    # one sequence whose context is one run of slots (its blocks consecutive): the first
+    # slot and the length, so the layers read a view of the cache instead of a gather
+    run: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -94,7 +118,7 @@ def _decode_rows(
     max_len = max(ctx)
     slots = _context_slots(tables, max_len, block_size).reshape(-1)
     if query_len == 1 and min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
-        return DecodeRows(token_rows, 1, slots, None)  # no padding, no window: every key is seen
+        return DecodeRows(token_rows, 1, slots, None, _slot_run(tables, max_len, block_size))  # every key seen
     # Query t of a sequence sits at position ctx - query_len + t: it sees the keys up to
     # there (and, with a sliding window, only the last `sliding_window` of them). An
     # additive mask measured faster than a boolean one in SDPA's CPU kernel.
@@ -107,6 +131,14 @@ def _decode_rows(
     if query_len > 1:  # one mask row per (query token, query head of the group), in that order
         mask = mask.repeat_interleave(query_group, dim=1)
     return DecodeRows(token_rows, query_len, slots, mask[:, None, :, :])
+
+
+def _slot_run(tables: torch.Tensor, length: int, block_size: int) -> tuple[int, int] | None:
+    """(first slot, length) when one sequence's first `length` slots are consecutive."""
+    if tables.shape[0] != 1:
+        return None
+    blocks = tables[0, : -(-length // block_size)].tolist()
+    return (blocks[0] * block_size, length) if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
 
 
 def _prefill_chunk(batch: ForwardBatch, i: int, block_size: int, sliding_window: int | None) -> PrefillChunk:
@@ -127,18 +159,18 @@ def _prefill_chunk(batch: ForwardBatch, i: int, block_size: int, sliding_window:
     return PrefillChunk(start, end, slots, mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor | PagedKv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    kv_cache[0].view(num_slots, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(num_slots, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    kv = kv_cache if isinstance(kv_cache, PagedKv) else paged_kv(kv_cache)
+    kv.keys.index_copy_(0, slot_mapping, k)
+    kv.values.index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | PagedKv,
     batch: ForwardBatch,
     scale: float,
     plan: AttentionPlan | None = None,
@@ -146,44 +178,59 @@ def paged_attention(
     """Write the new k/v at batch.slot_mapping, then attend; returns [T, num_heads, head_dim].
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
+    `kv_cache`: the layer's cache, or its `paged_kv` views (kept by the caller across steps).
     `plan` is build_attention_plan(batch, ...) shared by the layers; built here when absent.
     """
+    kv = kv_cache if isinstance(kv_cache, PagedKv) else paged_kv(kv_cache)
     if plan is None:
-        plan = build_attention_plan(batch, kv_cache.shape[2], q.dtype)
-    write_kv(kv_cache, k, v, batch.slot_mapping)
+        plan = build_attention_plan(batch, kv.cache.shape[2], q.dtype)
+    write_kv(kv, k, v, batch.slot_mapping)
     if len(plan.decode) == 1 and plan.decode[0].token_rows is None:
-        return _decode_attention(q, kv_cache, plan.decode[0], scale)
+        return _decode_attention(q, kv, plan.decode[0], scale)
     out = torch.empty_like(q)
     for group in plan.decode:
         rows = group.token_rows
-        out.index_copy_(0, rows, _decode_attention(q.index_select(0, rows), kv_cache, group, scale))
+        out.index_copy_(0, rows, _decode_attention(q.index_select(0, rows), kv, group, scale))
     for chunk in plan.prefills:
-        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, scale)
+        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv.cache, chunk, scale)
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv: PagedKv, rows: DecodeRows, scale: float) -> torch.Tensor:
     # q: [Bd * n, H, D] -> [Bd, KV, n * G, D]: a KV head's G query heads, for each of a
     # sequence's n query tokens, act as n * G queries of one sequence, so GQA needs
     # neither repeat_interleave nor enable_gqa here, and each sequence's context is
     # gathered once for all its query tokens.
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    if rows.run is not None and rows.query_len == 1:  # one stream's decode: our kernel, when it runs here
+        first, length = rows.run
+        out = decode_attention(q[0], kv.keys[first : first + length], kv.values[first : first + length], scale)
+        if out is not None:
+            return out[None]
+    num_kv_heads, head_dim = kv.keys.shape[1], kv.keys.shape[2]
     n, num_heads = rows.query_len, q.shape[1]
     num_seqs, group = q.shape[0] // n, num_heads // num_kv_heads
-    grouped = q.view(num_seqs, n, num_kv_heads, group, head_dim).transpose(1, 2)
-    grouped = grouped.reshape(num_seqs, num_kv_heads, n * group, head_dim)
-    k, v = (_gather(kv_cache[i], rows.slots, num_seqs) for i in (0, 1))
+    if n == 1:  # [Bd, H, D] is [Bd, KV, G, D] already: a view
+        grouped = q.view(num_seqs, num_kv_heads, group, head_dim)
+    else:
+        grouped = q.view(num_seqs, n, num_kv_heads, group, head_dim).transpose(1, 2)
+        grouped = grouped.reshape(num_seqs, num_kv_heads, n * group, head_dim)
+    if rows.run is not None:  # one sequence, consecutive slots: a view of the cache
+        first, length = rows.run
+        k, v = (half[first : first + length].unsqueeze(0).transpose(1, 2) for half in (kv.keys, kv.values))
+    else:
+        k, v = (_gather(half, rows.slots, num_seqs, num_kv_heads) for half in (kv.key_rows, kv.value_rows))
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows.mask, scale=scale)
+    if n == 1:
+        return out.reshape(num_seqs, num_heads, head_dim)  # a view when SDPA's output allows
     out = out.view(num_seqs, num_kv_heads, n, group, head_dim).transpose(1, 2)
     return out.reshape(num_seqs * n, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    # cache: [num_blocks, block_size, KV, D] -> [Bd, KV, L, D]. A dim-0 index_select on the
-    # flat [num_slots, KV * D] view measured ~2x faster than one select of k and v together.
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    flat = cache.view(-1, num_kv_heads * head_dim).index_select(0, slots)
-    return flat.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+def _gather(rows: torch.Tensor, slots: torch.Tensor, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
+    # rows: [num_slots, KV * D] -> [Bd, KV, L, D]. A dim-0 index_select on the flat view
+    # measured ~2x faster than one select of k and v together.
+    flat = rows.index_select(0, slots)
+    return flat.view(num_seqs, -1, num_kv_heads, rows.shape[1] // num_kv_heads).transpose(1, 2)
 
 
 def _prefill_attention(

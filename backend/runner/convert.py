@@ -39,6 +39,15 @@ def gguf_path() -> Path:
     return path
 
 
+def source_gguf(folder: Path) -> Path | None:
+    """The installed GGUF file `folder` was converted from, if it was and the file is here."""
+    marker = Path(folder) / COMPLETE_MARKER
+    if not marker.exists() or importlib.util.find_spec(GGUF_PACKAGE) is None:
+        return None
+    path = gguf_path()
+    return path if marker.read_text().strip() == f"converted from {path.name}" else None
+
+
 def ensure_default_model() -> Path:
     """The converted default model's folder; converts it first if no finished copy exists."""
     target = default_model_path()

@@ -76,7 +76,7 @@ def build_forward_batch(spans: list[Span], block_size: int, device: torch.device
     tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
 
     def as_tensor(values):
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     return ForwardBatch(
         input_ids=as_tensor(input_ids),

@@ -11,12 +11,14 @@ import torch
 from safetensors import safe_open
 
 from backend.contract.vision import VisionInfo
+from backend.runner.convert import source_gguf
 from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
 from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
 from backend.runner.models.qwen2_5_vl_vision import Qwen2_5VisionEncoder
 from backend.runner.models.qwen2_vl_vision import Qwen2VisionEncoder, is_vision_weight, strip_vision_prefix
+from backend.runner.quant.apply import QuantSpec, quantize_model, resolve_auto
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -92,11 +94,16 @@ def is_m2m100(path: str | Path) -> bool:
     return raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == M2M100_ARCHITECTURE
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM | M2M100ForTranslation:
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
+) -> LlamaForCausalLM | M2M100ForTranslation:
     """The folder's model; its MTP layers, when the checkpoint ships them, in `model.mtp`.
-    An NLLB / M2M100 folder gives M2M100ForTranslation (backend/runner/models/m2m100_decoder.py)."""
+    An NLLB / M2M100 folder gives M2M100ForTranslation (backend/runner/models/m2m100_decoder.py).
+    `quant` (QUANT) quantizes the decoder's linears: backend/runner/quant/apply.py."""
     folder = Path(path)
     if is_m2m100(folder):
+        if quant is not None and quant.kind not in ("none", "auto"):
+            raise ValueError(f"QUANT={quant.kind} serves decoder-only models; {folder} is an NLLB / M2M100 model")
         return M2M100ForTranslation.load(folder, dtype, device)
     cfg = load_model_config(folder)
     model = LlamaForCausalLM(cfg, dtype, device)
@@ -120,6 +127,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
         model.mtp.load_weights(mtp_weights)
     if cfg.vision is not None:
         model.visual = _vision_encoder(folder, cfg.vision.family, vision_weights)
+    if quant is not None:
+        gguf_file = source_gguf(folder)
+        quantize_model(model, resolve_auto(quant, model, device, gguf_file), gguf_file)
     return model.eval()
 
 

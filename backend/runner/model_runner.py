@@ -18,6 +18,7 @@ from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.runner.models.m2m100_cross import CrossPlan, build_cross_plan, cross_slots
+from backend.runner.quant.apply import QuantSpec
 from backend.runner.vision_inputs import mrope_ids, vision_embeds
 from backend.sampling import logprobs as lp
 from backend.sampling.sampler import SamplingRow, sample
@@ -48,7 +49,8 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(config.model_path, self.dtype, self.device)
+        quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric)
+        self.model = load_model(config.model_path, self.dtype, self.device, quant)
         self.model_config = self.model.config
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)

@@ -25,6 +25,13 @@ def seed_for_token(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R]: argmax of each row (its first maximum; NaN counts as the largest).
+    On the CPU, max's indices are the same and measured ~1.6x faster (105 -> 75 us for one
+    49k row); argmax elsewhere, where max does not promise the first of tied maxima."""
+    return x.max(dim=-1).indices if x.is_cpu else x.argmax(dim=-1)
+
+
 def _finite_std(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R]: population std over each row's finite entries."""
     finite = torch.isfinite(logits)
@@ -147,5 +154,5 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         order = torch.arange(logits.shape[1], device=device).expand(logits.shape)
     # A seeded row's noise is a function of the token id, so it draws the same token
     # whether its batch took the full sort, the partial one, or none.
-    choice = (probs / _exponential_noise(order, rows)).argmax(dim=-1)
+    choice = first_max(probs / _exponential_noise(order, rows))
     return order.gather(1, choice.unsqueeze(1)).squeeze(1)

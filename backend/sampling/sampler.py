@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from backend.contract import SamplingParams
-from backend.sampling.draw import draw
+from backend.sampling.draw import draw, first_max
 from backend.sampling.grammar import apply_grammar_masks
 from backend.sampling.repeats import dry_penalties, lz_penalties
 
@@ -223,7 +223,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     apply_penalties(logits, rows)
     apply_repeat_penalties(logits, rows)
     apply_grammars(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = first_max(logits)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)

@@ -188,6 +188,8 @@ class TestStubDeath:
         assert streamed["status"] == 200 and streamed["error"]["code"] == "model_unavailable"
         assert streamed["done"], "the stream ends with data: [DONE]"
         assert timings["first_503"] < 5 and timings["health_503"] < 5
+        # the server can answer a moment before the watchdog's restart() returns and records it
+        wait_for(lambda: supervised.watchdog.restarts, 10, "the watchdog's restart recorded")
         assert [r.reason for r in supervised.watchdog.restarts] == ["the Python backend stub of model 'llm' is gone"]
         resp = post(supervised, completion("After the restart,", 4))
         assert resp.status_code == 200, resp.text

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
-from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention
+from backend.runner.attention import AttentionPlan, PagedKv, build_attention_plan, paged_attention, paged_kv
 from backend.runner.forward_batch import ForwardBatch
+from backend.runner.quant.formats import QuantizedWeight
+from backend.runner.quant.kernels import quant_linear, rms_norm
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+
+# Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs;
+# past it the float32 table's matmul measured faster (49152 x 576, 2 cores: 8 rows 0.8x, 16 rows 1.2x).
+LM_HEAD_GEMV_ROWS = 12
 
 
 @dataclass(slots=True)
@@ -96,6 +102,8 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = 
     in the model: 1.0x-1.25x oneDNN's linear for 1-144 rows (decode and verify steps),
     1.45x for a 512-token prefill chunk. Elsewhere F.linear on the view.
     """
+    if isinstance(weight_t, QuantizedWeight):  # QUANT (backend/runner/quant)
+        return quant_linear(x, weight_t, bias)
     if x.is_cpu and x.dtype == torch.float32:
         return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
     return F.linear(x, weight_t.t(), bias)
@@ -128,10 +136,12 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up_t = empty_param(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
         self.down_t = empty_param(cfg.intermediate_size, h, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor | PagedKv, batch: ForwardBatch, plan: AttentionPlan
+    ):
         # x: [T, hidden]
-        x = x + self._attention(F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps), rope, kv_cache, batch, plan)
-        h = F.rms_norm(x, x.shape[-1:], self.post_norm, self.eps)
+        x = x + self._attention(rms_norm(x, self.input_norm, self.eps), rope, kv_cache, batch, plan)
+        h = rms_norm(x, self.post_norm, self.eps)
         gate_up = linear(h, self.gate_up_t)
         if batch.lora is not None:
             add_lora(gate_up, h, batch.lora, self.index, GATE_UP)
@@ -142,7 +152,9 @@ class DecoderLayer(torch.nn.Module):
             add_lora(down, act, batch.lora, self.index, DOWN)
         return x + down
 
-    def _attention(self, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, batch: ForwardBatch, plan: AttentionPlan):
+    def _attention(
+        self, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor | PagedKv, batch: ForwardBatch, plan: AttentionPlan
+    ):
         cos, sin = rope
         num_tokens, num_qk = h.shape[0], self.num_heads + self.num_kv_heads
         qkv = linear(h, self.qkv_t, self.qkv_bias)  # [T, (H + 2 KV) * D]
@@ -177,6 +189,8 @@ class LlamaForCausalLM(torch.nn.Module):
             else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # QUANT's int8 lm_head (backend/runner/quant/apply.py); lm_head_t stays as the embedding table
+        self.lm_head_q: QuantizedWeight | None = None
         self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
         # a vision-language checkpoint's vision encoder (the loader's): (pixel_values, grids) -> embeds
         self.visual: torch.nn.Module | None = None
@@ -188,29 +202,49 @@ class LlamaForCausalLM(torch.nn.Module):
         x = F.embedding(batch.input_ids, table)  # [T, hidden], a fresh tensor
         if batch.embeds_rows is not None:  # vision placeholders take the encoder's embeddings
             x[batch.embeds_rows] = batch.embeds.to(device=x.device, dtype=x.dtype)
-        rope = self.mrope_rotary(batch, x.dtype) if self.config.mrope_section else self.rotary(batch.positions, x.dtype)
+        if self.config.mrope_section:
+            rope = self.mrope_rotary(batch, x.dtype)
+        else:
+            rope = self.rotary(batch.positions, x.dtype, max(batch.context_lens) - 1)
         block_size = kv_caches[0].shape[2]
         plans = {
             w: build_attention_plan(batch, block_size, x.dtype, w, self.config.num_heads // self.config.num_kv_heads)
             for w in {layer.sliding_window for layer in self.layers}
         }
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, batch, plans[layer.sliding_window])
-        return F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+        # the caches' flat views, made once for the caches the runner keeps passing
+        kvs = getattr(self, "_paged_kvs", None)
+        if (
+            kvs is None
+            or len(kvs) != len(kv_caches)
+            or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True))
+        ):
+            self._paged_kvs = kvs = [paged_kv(cache) for cache in kv_caches]
+        for layer, kv in zip(self.layers, kvs, strict=True):
+            x = layer(x, rope, kv, batch, plans[layer.sliding_window])
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        if self.lm_head_q is not None and hidden.shape[0] <= LM_HEAD_GEMV_ROWS:
+            return linear(hidden, self.lm_head_q).float()
         return linear(hidden, self.lm_head_t).float()
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        # cos, sin: [T, 1, D], computed in float32 like transformers, then cast to the model dtype.
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
-        cos = torch.cat((cos, cos), dim=-1)
-        sin = torch.cat((-sin, sin), dim=-1)
-        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> Rope:
+        """cos, sin: [T, 1, D] at `positions` (the largest, when the caller knows it:
+        `max_position`), rows of a table kept across steps and grown as positions do."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        cached = getattr(self, "_rope_table", None)
+        if cached is None or cached[0] != dtype or cached[1].shape[0] <= max_position:
+            # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
+            size = max(1 << max_position.bit_length(), 256)
+            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()  # [size, D/2]
+            # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+            self._rope_table = cached = (dtype, cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
+        return cached[1].index_select(0, positions), cached[2].index_select(0, positions)
 
     def mrope_rotary(self, batch: ForwardBatch, dtype: torch.dtype) -> Rope:
         """`rotary`'s tables for M-RoPE: each frequency pair turns by its section's (t, h, w) row

@@ -1,0 +1,98 @@
+"""QUANT at load: the decoder layers' linear weights (and the lm_head) become QuantizedWeights.
+
+`QUANT=int8|int4` (groups of `QUANT_GROUP_SIZE` inputs, with zero points unless
+`QUANT_SYMMETRIC=1`) quantizes the float weights the loader filled. Where the model folder
+was converted from a GGUF file that stores a weight in exactly that format (the default
+model: Q4_1 linears, a Q8_0 embedding), the GGUF's own blocks are taken instead, so int4
+serves the very weights llama.cpp does. The lm_head is int8 in every quantized mode (its
+GEMV measured faster than the float32 matmul and int8 keeps it near exact); the embedding
+table stays float (one row read per token). MTP heads, draft models and vision towers stay float.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.runner.quant.formats import KINDS, QuantizedWeight, quantize
+from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
+from backend.runner.quant.kernels import native
+
+LINEARS = ("qkv_t", "o_proj_t", "gate_up_t", "down_t")
+LM_HEAD_GROUP = 32
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    kind: str = "none"  # none | int8 | int4 | auto (resolve_auto)
+    group: int = 32
+    symmetric: bool = False  # False: zero points (a min per group)
+
+    def __post_init__(self):
+        if self.kind not in ("none", "auto", *KINDS):
+            raise ValueError(f"QUANT must be one of none, auto, {', '.join(KINDS)}; got {self.kind!r}")
+
+
+def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, gguf_file: Path | None) -> QuantSpec:
+    """QUANT=auto: where the model folder was converted from a GGUF file whose decoder linears
+    are in a block format we serve (the default model: Q4_1), that format, read from the
+    file as it is: float32's numbers from a fraction of the bytes (README "Quantization").
+    Otherwise none: auto never requantizes a float checkpoint (QUANT=int8 does, within 1%
+    perplexity), nor runs where our kernels cannot (a GPU, no AVX-512, bf16 weights)."""
+    if spec.kind != "auto":
+        return spec
+    float32 = model.lm_head_t.dtype == torch.float32  # the kernels multiply float32 activations
+    if gguf_file is None or device.type != "cpu" or not float32 or native() is None:
+        return QuantSpec("none")
+    stored = linear_format(gguf_file)
+    return QuantSpec(*stored) if stored is not None else QuantSpec("none")
+
+
+def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
+    """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
+    from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
+    if spec.kind == "none":
+        return 0
+    native()  # built (make setup) or built now, at load, rather than at the first request
+    cfg = model.config
+    taken: dict[str, QuantizedWeight] = {}
+    if gguf_file is not None:
+        linear_type = gguf_type(spec.kind, spec.group, spec.symmetric)
+        taken = read_gguf_weights(gguf_file, cfg.num_heads, cfg.num_kv_heads, linear_type)
+    for i, layer in enumerate(model.layers):
+        for attr in LINEARS:
+            param = getattr(layer, attr)
+            weight = taken.get(f"layers.{i}.{attr}")
+            if weight is None or not _same_shape(weight, param):
+                weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
+            del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
+            setattr(layer, attr, weight)
+    head = taken.get("lm_head_t")
+    if head is None or not _same_shape(head, model.lm_head_t):  # int8, as GGUF's Q8_0
+        head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
+    model.lm_head_q = head
+    source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
+    points = "symmetric" if spec.symmetric else "zero points"
+    read = weight_bytes(model) / 1e6
+    print(
+        f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr
+    )
+    return len(taken)
+
+
+def _same_shape(weight: QuantizedWeight, param: torch.Tensor) -> bool:
+    return (weight.in_features, weight.out_features) == tuple(param.shape)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: the decoder's linears and norms, and the
+    lm_head in the format it runs in (the embedding table's single rows are left out)."""
+    total = 0
+    for layer in model.layers:
+        total += sum(p.numel() * p.element_size() for p in layer.parameters())
+        total += sum(w.nbytes for w in vars(layer).values() if isinstance(w, QuantizedWeight))
+    head = getattr(model, "lm_head_q", None)
+    return total + (head.nbytes if head is not None else model.lm_head_t.numel() * model.lm_head_t.element_size())

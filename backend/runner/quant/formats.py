@@ -1,0 +1,107 @@
+"""Weight-only quantized formats: int8 and int4, group-wise along the input dimension.
+
+A weight of a group is `scale * q + min` (symmetric formats have no min: `scale * q`):
+
+- int8: q int8 [out, in]; symmetric: q in [-127, 127] (GGUF's Q8_0 is this with groups of 32);
+  with zero points: 256 levels from the group's min to its max (q + 128 of them up from the min);
+- int4: q in [0, 15], two per byte, in blocks of 32 weights: byte j of a block holds weight j
+  in its low nibble and weight j + 16 in its high one (GGUF's Q4_1 layout, which is served as
+  is; Q4_0 is the symmetric case, min = -8 * scale).
+
+`dequantize` is the reference every kernel is checked against (tests/backend/runner/quant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per int4 packing block; every group is a multiple of it
+KINDS = ("int8", "int4")
+
+
+@dataclass(slots=True, eq=False)
+class QuantizedWeight:
+    """One linear layer's weights, [out_features, in_features] as the kernels read them."""
+
+    kind: str  # "int8" | "int4"
+    q: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2]
+    scales: torch.Tensor  # float32 [out, in / group]
+    mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric
+    group: int
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.q, self.scales) if self.mins is None else (self.q, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize(weight: torch.Tensor, kind: str, group: int, symmetric: bool) -> QuantizedWeight:
+    """weight: [out, in] float -> its quantized form (round to nearest)."""
+    if kind not in KINDS:
+        raise ValueError(f"QUANT must be one of none, {', '.join(KINDS)}; got {kind!r}")
+    out_features, in_features = weight.shape
+    if group % BLOCK or in_features % group:
+        raise ValueError(f"QUANT_GROUP_SIZE={group} must be a multiple of {BLOCK} dividing {in_features}")
+    w = weight.detach().float().contiguous().reshape(out_features, in_features // group, group)
+    if kind == "int8":
+        return _quantize_int8(w, symmetric)
+    if symmetric:  # as GGUF's Q4_0: the group's largest magnitude lands exactly on level -8
+        extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]
+        scales = torch.where(extreme.abs() < 1e-12, 1e-12, extreme / -8)
+        mins = -8 * scales
+    else:
+        lo, hi = w.amin(-1), w.amax(-1)
+        scales, mins = ((hi - lo) / 15).clamp(min=1e-12), lo
+    q = torch.round((w - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(kind, pack_int4(q.reshape(out_features, in_features)), scales.contiguous(),
+                           mins.contiguous(), group)  # fmt: skip
+
+
+def _quantize_int8(w: torch.Tensor, symmetric: bool) -> QuantizedWeight:
+    """w: [out, groups, group] -> int8 q with scale (and, asymmetric, a min: 256 levels from
+    the group's minimum to its maximum, q - 128 stored)."""
+    out_features, groups, group = w.shape
+    if symmetric:
+        scales = (w.abs().amax(-1) / 127).clamp(min=1e-12)
+        q, mins = torch.round(w / scales[..., None]).clamp(-127, 127), None
+    else:
+        lo = w.amin(-1)
+        scales = ((w.amax(-1) - lo) / 255).clamp(min=1e-12)
+        q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 255) - 128
+        mins = (lo + 128 * scales).contiguous()
+    q = q.to(torch.int8).reshape(out_features, groups * group)
+    return QuantizedWeight("int8", q, scales.contiguous(), mins, group)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [out, in] in 0..15 -> [out, in / 2] in the block layout above."""
+    out_features, in_features = q.shape
+    blocks = q.reshape(out_features, in_features // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    out_features, half = packed.shape
+    blocks = packed.reshape(out_features, half * 2 // BLOCK, 1, BLOCK // 2)
+    return torch.cat((blocks & 0xF, blocks >> 4), dim=2).reshape(out_features, half * 2)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 [out, in] weights a quantized weight stands for."""
+    q = unpack_int4(weight.q) if weight.kind == "int4" else weight.q
+    out_features, in_features = q.shape
+    grouped = q.float().reshape(out_features, in_features // weight.group, weight.group)
+    w = grouped * weight.scales[..., None]
+    if weight.mins is not None:
+        w = w + weight.mins[..., None]
+    return w.reshape(out_features, in_features)

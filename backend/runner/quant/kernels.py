@@ -1,0 +1,145 @@
+"""The quantized matmul: our AVX-512 kernels (kernels.cpp), built once per machine, or a plain
+dequantize-then-matmul where they cannot run (no AVX-512, not the CPU, not float32).
+
+`python -m backend.runner.quant.kernels` builds them (`make setup` does), so no server
+compiles at its first request. bench/quant_kernels.py measures them against PyTorch's own
+int8 / int4 CPU kernels and the dequantize-then-matmul reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backend.runner.quant.formats import QuantizedWeight, dequantize
+
+# Up to this many rows the GEMV kernel runs (it decodes each weight once per 8 rows); past it
+# the weights are dequantized whole and multiplied by a GEMM, which a prefill chunk amortizes:
+# float32 (MKL; exact, the float32 model's numbers) unless QUANT_GEMM=bf16 (oneDNN's bf16
+# GEMM, AMX where the CPU has it: faster prefill, activations rounded to bf16). The crossovers
+# were measured on the default model's shapes (2 cores): int4's table-lookup GEMV stays ahead
+# to ~48 rows (24 rows: 1.5x), int8's to ~12. QUANT_GEMV_MAX_ROWS overrides both.
+GEMV_MAX_ROWS = {"int4": 48, "int8": 12}
+if os.environ.get("QUANT_GEMV_MAX_ROWS"):
+    GEMV_MAX_ROWS = dict.fromkeys(GEMV_MAX_ROWS, int(os.environ["QUANT_GEMV_MAX_ROWS"]))
+GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+_SOURCE = Path(__file__).with_name("kernels.cpp")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def build_directory() -> Path:
+    cache = os.environ.get("LLM_CACHE_DIR") or Path.home() / ".cache" / "tritonllm"
+    return Path(cache) / "kernels" / f"torch-{torch.__version__}"
+
+
+@functools.cache
+def native():
+    """The compiled module, or None where this CPU lacks the instructions it uses."""
+    if not set(_FLAGS) <= _cpu_flags():
+        return None
+
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build(folder)
+    except Exception as exc:  # no compiler, no ninja: served by the plain path (QUANT=auto: float32)
+        print(f"quantized kernels could not be built in {folder}: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
+def _build(folder: Path):
+    from torch.utils.cpp_extension import load
+
+    # -ffp-contract=off: the dequantization multiplies then adds, as the reference does
+    cflags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+    return load(name="tritonllm_quant", sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)  # fmt: skip
+
+
+def _bits(weight: QuantizedWeight) -> int:
+    return 4 if weight.kind == "int4" else 8
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype."""
+    lib = native() if x.is_cpu and x.dtype == torch.float32 else None
+    if lib is None:
+        return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
+    mins = _empty() if weight.mins is None else weight.mins
+    if x.shape[0] <= GEMV_MAX_ROWS[weight.kind]:
+        b = _empty() if bias is None else bias
+        return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))
+    bf16 = gemm_dtype() == torch.bfloat16
+    w = lib.dequant(weight.q, weight.scales, mins, weight.group, _bits(weight), bf16, _scratch(weight, bf16))
+    if bf16:
+        y = F.linear(x.to(torch.bfloat16), w).float()
+        return y if bias is None else y.add_(bias)
+    return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(weight: QuantizedWeight, bf16: bool) -> torch.Tensor:
+    """The buffer the dequantized weights are written to, kept and grown to the largest layer:
+    a fresh tensor each time measured slower (the allocator hands big blocks back to the OS,
+    so every step page-faulted the whole model's weights in again)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    size = weight.out_features * weight.in_features
+    buffer = _SCRATCH.get(dtype)
+    if buffer is None or buffer.numel() < size:
+        _SCRATCH[dtype] = buffer = torch.empty(size, dtype=dtype)
+    return buffer
+
+
+def gemm_dtype() -> torch.dtype:
+    name = os.environ.get("QUANT_GEMM") or "float32"
+    if name not in GEMM_DTYPES:
+        raise ValueError(f"QUANT_GEMM must be one of {', '.join(GEMM_DTYPES)}; got {name!r}")
+    return GEMM_DTYPES[name]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over x's last dimension; on the CPU in float32, one call of our kernel (the
+    same arithmetic, in another order of additions) instead of PyTorch's six small ops, a
+    measurable share of a decode step at one stream."""
+    lib = native() if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and weight.dtype == torch.float32 else None
+    if lib is None:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return lib.rms_norm(x.contiguous(), weight, eps)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """One query token's attention, q [H, D] over keys / values [L, KV, D] (one sequence's
+    consecutive cache slots): [H, D]; None where our kernel cannot run (the caller's SDPA
+    then does). SDPA's call for one query measured ~55 us a layer at one stream."""
+    usable = q.is_cpu and q.dtype == torch.float32 == keys.dtype and q.shape[1] % 16 == 0
+    lib = native() if usable and q.is_contiguous() and keys.is_contiguous() and values.is_contiguous() else None
+    return None if lib is None else lib.decode_attention(q, keys, values, scale)
+
+
+def main() -> None:
+    lib = native()
+    print(f"quantized kernels: {'built in ' + str(build_directory()) if lib else 'not used (no AVX-512 here)'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The quantized matmuls against their own reference: `dequantize` then a float64 matmul.
+
+Every path `quant_linear` can take is checked: the GEMV kernel (float32 activations, exact
+up to summation order), the dequantize-then-GEMM for many rows (float32, exact; or with
+QUANT_GEMM=bf16, bf16 rounding of the activations and weights), and the plain fallback;
+int8 and int4, with and without zero points, several group sizes and row counts, with and
+without a bias. The int4 packing is
+checked against GGUF's Q4_1 block layout written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.runner.quant import kernels
+from backend.runner.quant.formats import QuantizedWeight, dequantize, pack_int4, quantize, unpack_int4
+
+needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
+FORMATS = [
+    ("int8", 32, True),
+    ("int8", 64, False),
+    ("int8", 128, True),
+    ("int4", 32, False),
+    ("int4", 64, True),
+    ("int4", 128, False),
+]
+
+
+def _weight(out_features: int, in_features: int, kind: str, group: int, symmetric: bool) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(out_features * 7 + in_features)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05 + 0.01
+    return quantize(w, kind, group, symmetric)
+
+
+def _reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ dequantize(weight).double().t()
+    return y if bias is None else y + bias.double()
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16, 33, 48])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_kernel_matches_its_reference(kind, group, symmetric, rows, with_bias):
+    weight = _weight(200, 384, kind, group, symmetric)  # 200: not a multiple of any tile
+    if rows > kernels.GEMV_MAX_ROWS[kind]:
+        pytest.skip(f"{kind} multiplies {rows} rows by the GEMM")
+    x = torch.randn(rows, 384)
+    bias = torch.randn(200) if with_bias else None
+    got = kernels.quant_linear(x, weight, bias)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+@pytest.mark.parametrize("rows", [49, 100])
+def test_many_rows_go_through_a_float32_gemm_on_the_exact_weights(kind, group, symmetric, rows):
+    assert rows > kernels.GEMV_MAX_ROWS[kind]
+    weight = _weight(256, 512, kind, group, symmetric)
+    x = torch.randn(rows, 512)
+    bias = torch.randn(256)
+    got = kernels.quant_linear(x, weight, bias)
+    assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+@pytest.mark.parametrize("rows", [49, 100])
+def test_quant_gemm_bf16_matches_within_bf16_rounding(kind, group, symmetric, rows, monkeypatch):
+    monkeypatch.setenv("QUANT_GEMM", "bf16")
+    weight = _weight(256, 512, kind, group, symmetric)
+    x = torch.randn(rows, 512)
+    bias = torch.randn(256)
+    got = kernels.quant_linear(x, weight, bias)
+    assert _relative_error(got, _reference(x, weight, bias)) < 1e-2  # bf16: 8 bits of mantissa on x and on w
+    # exactly oneDNN's bf16 GEMM on the dequantized weights
+    exact = torch.nn.functional.linear(x.bfloat16(), dequantize(weight).bfloat16()).float() + bias
+    assert torch.equal(got, exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+def test_dequant_is_the_reference(kind, group, symmetric):
+    weight = _weight(64, 256, kind, group, symmetric)
+    mins = torch.empty(0) if weight.mins is None else weight.mins
+    bits = 4 if kind == "int4" else 8
+    lib = kernels.native()
+    none = torch.empty(0)
+    assert torch.equal(lib.dequant(weight.q, weight.scales, mins, weight.group, bits, False, none), dequantize(weight))
+    bf16 = lib.dequant(weight.q, weight.scales, mins, weight.group, bits, True, none)
+    assert torch.equal(bf16, dequantize(weight).bfloat16())
+    buffer = torch.full((64 * 256 + 5,), 7.0)  # written into a larger, reused buffer
+    assert torch.equal(
+        lib.dequant(weight.q, weight.scales, mins, weight.group, bits, False, buffer), dequantize(weight)
+    )
+    assert (buffer[64 * 256 :] == 7.0).all()
+
+
+def test_a_bad_quant_gemm_is_refused(monkeypatch):
+    monkeypatch.setenv("QUANT_GEMM", "fp8")
+    with pytest.raises(ValueError, match="QUANT_GEMM must be one of float32, bf16"):
+        kernels.gemm_dtype()
+
+
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+def test_fallback_for_other_dtypes_is_the_reference(kind, group, symmetric):
+    weight = _weight(48, 256, kind, group, symmetric)
+    x = torch.randn(3, 256, dtype=torch.float64)
+    got = kernels.quant_linear(x, weight)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, _reference(x, weight, None), rtol=1e-6, atol=1e-6)
+
+
+def test_int4_packing_is_ggufs_q4_1_block_layout():
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    for row in range(3):
+        for block in range(2):
+            for j in range(16):
+                byte = int(packed[row, block * 16 + j])
+                assert byte & 0xF == q[row, block * 32 + j] and byte >> 4 == q[row, block * 32 + j + 16]
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+def test_quantization_error_is_within_half_a_step(kind, group, symmetric):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 256, generator=gen)
+    qw = quantize(w, kind, group, symmetric)
+    step = qw.scales.abs().repeat_interleave(group, dim=1)
+    # symmetric int4 (Q4_0) puts the largest magnitude on -8, so the other side's +8 is clamped to +7
+    bound = step if kind == "int4" and symmetric else step / 2
+    assert ((dequantize(qw) - w).abs() <= bound + 1e-6).all()
+
+
+def test_a_transposed_weight_quantizes_to_contiguous_tensors():
+    w_t = torch.randn(64, 96)  # [in, out], as our float parameters are stored
+    qw = quantize(w_t.t(), "int8", 32, True)
+    assert qw.q.is_contiguous() and qw.scales.is_contiguous()
+    assert torch.allclose(dequantize(qw), w_t.t(), atol=qw.scales.max().item())
+
+
+def test_bad_formats_are_refused():
+    w = torch.randn(8, 96)
+    with pytest.raises(ValueError, match="QUANT must be one of"):
+        quantize(w, "int3", 32, False)
+    with pytest.raises(ValueError, match="QUANT_GROUP_SIZE=64"):
+        quantize(w, "int4", 64, False)  # 96 inputs: not a multiple of 64
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("width", [576, 100])  # 100: a tail past the 16-wide vectors
+def test_rms_norm_matches_pytorchs(rows, width):
+    x, weight = torch.randn(rows, width) * 3, torch.randn(width)
+    got = kernels.rms_norm(x, weight, 1e-5)
+    want = torch.nn.functional.rms_norm(x.double(), (width,), weight.double(), 1e-5)
+    assert _relative_error(got, want) < 1e-6
+    assert torch.equal(kernels.rms_norm(x.double(), weight.double(), 1e-5), want)  # elsewhere: PyTorch's own
+
+
+@needs_kernels
+@pytest.mark.parametrize("length", [1, 7, 300])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+def test_decode_attention_matches_sdpa(length, heads, kv_heads, dim):
+    q = torch.randn(heads, dim)
+    keys, values = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+    got = kernels.decode_attention(q, keys, values, dim**-0.5)
+    expand = heads // kv_heads
+    k, v = (t.double().transpose(0, 1).repeat_interleave(expand, 0) for t in (keys, values))  # [H, L, D]
+    want = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], k, v, scale=dim**-0.5)[:, 0]
+    assert _relative_error(got, want) < 1e-6

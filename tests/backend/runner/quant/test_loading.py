@@ -1,0 +1,101 @@
+"""QUANT at load: the default model's GGUF blocks served as they are, `auto`, and the settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.core.config import EngineConfig
+from backend.runner.convert import source_gguf
+from backend.runner.loader import load_model
+from backend.runner.quant import kernels
+from backend.runner.quant.apply import LINEARS, QuantSpec, quantize_model, resolve_auto, weight_bytes
+from backend.runner.quant.formats import QuantizedWeight, dequantize
+from backend.runner.quant.gguf_blocks import gguf_type, read_gguf_weights
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def float_model(model_path):
+    return load_model(model_path, torch.float32, CPU)
+
+
+@pytest.fixture(scope="module")
+def gguf_blocks(model_path, float_model):
+    cfg = float_model.config
+    return read_gguf_weights(source_gguf(model_path), cfg.num_heads, cfg.num_kv_heads, "Q4_1")
+
+
+def test_the_gguf_blocks_are_the_float32_weights_exactly(float_model, gguf_blocks):
+    # the float32 folder is the GGUF dequantized by transformers (q / k rows un-permuted): every
+    # Q4_1 linear and the Q8_0 table read back from the blocks equals it bit for bit
+    assert len(gguf_blocks) == 4 * float_model.config.num_layers + 1
+    for name, weight in gguf_blocks.items():
+        assert torch.equal(dequantize(weight), float_model.get_parameter(name).t()), name
+    assert gguf_blocks["lm_head_t"].kind == "int8" and gguf_blocks["layers.0.qkv_t"].kind == "int4"
+
+
+def test_gguf_types_of_the_formats():
+    assert gguf_type("int4", 32, False) == "Q4_1"
+    assert gguf_type("int4", 32, True) == "Q4_0"
+    assert gguf_type("int8", 32, True) == "Q8_0"
+    assert gguf_type("int8", 32, False) is None and gguf_type("int4", 64, False) is None
+
+
+@pytest.mark.parametrize(
+    "spec,from_gguf", [(QuantSpec("int4"), 121), (QuantSpec("int4", 64), 1), (QuantSpec("int8"), 1)]
+)
+def test_the_linears_become_quantized_weights(model_path, spec, from_gguf):
+    model = load_model(model_path, torch.float32, CPU)
+    used = quantize_model(model, spec, source_gguf(model_path))
+    assert used == from_gguf  # int4 g32 with zero points: every block from the GGUF; else only its Q8_0 lm_head
+    for layer in model.layers:
+        for attr in LINEARS:
+            weight = getattr(layer, attr)
+            assert isinstance(weight, QuantizedWeight) and weight.kind == spec.kind and weight.group == spec.group
+            assert attr not in dict(layer.named_parameters())  # the float copy is gone
+    assert model.lm_head_q.kind == "int8"
+    assert weight_bytes(model) < 0.35 * 538e6
+
+
+def test_auto_serves_the_ggufs_own_format_and_never_requantizes_a_float_checkpoint(float_model, model_path):
+    auto, gguf_file = QuantSpec("auto"), source_gguf(model_path)
+    expected = QuantSpec("int4", 32, False) if kernels.native() is not None else QuantSpec("none")
+    assert resolve_auto(auto, float_model, CPU, gguf_file) == expected  # Q4_1 blocks as they are
+    assert resolve_auto(auto, float_model, CPU, None).kind == "none"  # a float checkpoint: float32
+    assert resolve_auto(auto, float_model, torch.device("cuda"), gguf_file).kind == "none"
+    assert resolve_auto(QuantSpec("int8"), float_model, CPU, None).kind == "int8"  # only auto is resolved
+
+
+def test_settings_from_the_environment(monkeypatch):
+    for name in ("QUANT", "QUANT_GROUP_SIZE", "QUANT_SYMMETRIC"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = EngineConfig.from_env("/m")
+    assert (cfg.quant, cfg.quant_group, cfg.quant_symmetric) == ("auto", 32, False)  # a server's default
+    assert EngineConfig(model_path="/m").quant == "none"  # in-process: float32 unless asked
+    monkeypatch.setenv("QUANT", "int8")
+    monkeypatch.setenv("QUANT_GROUP_SIZE", "64")
+    monkeypatch.setenv("QUANT_SYMMETRIC", "1")
+    cfg = EngineConfig.from_env("/m")
+    assert (cfg.quant, cfg.quant_group, cfg.quant_symmetric) == ("int8", 64, True)
+
+
+def test_a_bad_quant_is_refused():
+    with pytest.raises(ValueError, match="QUANT must be one of none, auto, int8, int4; got 'fp4'"):
+        QuantSpec("fp4")
+
+
+def test_our_tensor_table_reads_what_the_gguf_package_reads(model_path):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from backend.runner.quant.gguf_blocks import read_tensor_table
+
+    path = source_gguf(model_path)
+    theirs = {t.name: t for t in GGUFReader(path).tensors}
+    ours = read_tensor_table(path)
+    assert {t.name for t in ours} == {n for n, t in theirs.items() if t.tensor_type.name in ("Q4_1", "Q8_0")}
+    for tensor in ours:
+        assert tensor.type_name == theirs[tensor.name].tensor_type.name
+        assert np.array_equal(tensor.data, np.asarray(theirs[tensor.name].data)), tensor.name

@@ -1,0 +1,45 @@
+"""QUANT's quality on the default model, measured on the held-out text and prompts of
+bench/quality.py (text no other test uses), with thresholds set from what was measured.
+
+Measured (2 cores, `python -m bench.quality`; README "Quantization"): the default model's
+float32 weights are its GGUF's Q4_1 blocks dequantized, so int4 g32 with zero points (the
+GGUF's blocks as they are) and int8 g32 with zero points (whose 256 levels hold Q4_1's 16
+exactly) give float32's perplexity and 20/20 identical greedy prompts, one stream at a time
+and batched. Symmetric int8 does not hold Q4_1's levels: +0.37% perplexity, 8/20 identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from backend.runner.quant import kernels
+from bench import quality
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path):
+    return quality.chat_prompts(AutoTokenizer.from_pretrained(model_path))
+
+
+@pytest.fixture(scope="module")
+def float32_tokens(model_path, prompts):
+    return quality.greedy_tokens(str(model_path), "none", prompts, together=True)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_greedy_tokens_equal_float32s_on_most_held_out_prompts(model_path, prompts, float32_tokens, quant):
+    tokens = quality.greedy_tokens(str(model_path), quant, prompts, together=True)
+    identical, prefix = quality.agreement(float32_tokens, tokens)
+    assert identical >= 18, f"{quant}: {identical}/20 prompts identical (measured 20/20), prefix kept {prefix:.0%}"
+
+
+def test_symmetric_int8_stays_within_one_percent_of_float32_perplexity(model_path):
+    ids = AutoTokenizer.from_pretrained(model_path)(quality.HELDOUT.read_text()).input_ids
+    base, _ = quality.perplexity(quality.load(str(model_path), "none"), ids)
+    int8, count = quality.perplexity(quality.load(str(model_path), "int8", 32, True), ids)
+    assert count == 1275
+    assert int8 / base - 1 < 0.01, f"int8 g32 symmetric: {int8:.4f} vs float32 {base:.4f} (measured +0.37%)"
+    assert int8 != base  # symmetric int8 does not hold the Q4_1 levels: it is a real requantization
