@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     find_triton()
     model = default_model_path(args.model)
     _warn_if_exposed(args.host)
-    quant = os.environ.get("QUANT") or "auto (int4 on a CPU with AVX-512)"
+    quant = os.environ.get("QUANT") or "auto (the default model: int4, its GGUF's Q4_1 blocks)"
     print(f"weights: QUANT={quant}; QUANT=none serves float32 (README: Quantization)", flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     stack = Stack(
