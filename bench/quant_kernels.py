@@ -11,8 +11,8 @@ batched decode; 512: a prefill chunk), microseconds per call of:
 - dequantize-then-matmul: our `dequantize` reference then float32 `torch.mm`;
 - float32: `torch.mm` on float32 weights ([in, out], as the float32 model stores them).
 
-Weights are cycled over 16 copies per shape, so they come from memory as in a real step
-rather than from cache. `python -m bench.quant_kernels`.
+Weights are cycled over 16 copies per shape, so they come from past the L2 as in a real
+step (the float32 copies, 7-28 MB each, may still sit in a large shared L3). `python -m bench.quant_kernels`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _candidates(w_list: list[torch.Tensor]):
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    print(f"microseconds per call; weights cycled over {COPIES} copies (from memory, not cache)")
+    print(f"microseconds per call; weights cycled over {COPIES} copies (past the L2)")
     for name, (k, n) in SHAPES.items():
         w_list = [torch.randn(n, k, generator=gen) * 0.05 for _ in range(COPIES)]
         kernels = _candidates(w_list)
