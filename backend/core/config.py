@@ -33,8 +33,9 @@ class EngineConfig:
     max_beams: int = 8  # num_beams a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority`, lower sooner)
     # weight-only quantization of the decoder's linears (backend/runner/quant): none | int8 | int4
-    # | auto (what a server without QUANT gets: int4 where our CPU kernels run and the model's
-    # shapes fit, else none), in groups of quant_group inputs, with zero points unless quant_symmetric
+    # | auto (what a server without QUANT gets: a model converted from a GGUF file in that file's
+    # own blocks where our CPU kernels run, else none), in groups of quant_group inputs, with zero
+    # points unless quant_symmetric
     quant: str = "none"
     quant_group: int = 32
     quant_symmetric: bool = False

@@ -191,6 +191,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         # QUANT's int8 lm_head (backend/runner/quant/apply.py); lm_head_t stays as the embedding table
         self.lm_head_q: QuantizedWeight | None = None
+        # kept across steps: the KV caches' flat views (for the caches last passed to forward)
+        # and the rotary table (dtype, cos, sin), grown as positions do
+        self._paged_kvs: list[PagedKv] = []
+        self._rope_table: tuple[torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
         # a vision-language checkpoint's vision encoder (the loader's): (pixel_values, grids) -> embeds
         self.visual: torch.nn.Module | None = None
@@ -212,12 +216,8 @@ class LlamaForCausalLM(torch.nn.Module):
             for w in {layer.sliding_window for layer in self.layers}
         }
         # the caches' flat views, made once for the caches the runner keeps passing
-        kvs = getattr(self, "_paged_kvs", None)
-        if (
-            kvs is None
-            or len(kvs) != len(kv_caches)
-            or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True))
-        ):
+        kvs = self._paged_kvs
+        if len(kvs) != len(kv_caches) or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True)):
             self._paged_kvs = kvs = [paged_kv(cache) for cache in kv_caches]
         for layer, kv in zip(self.layers, kvs, strict=True):
             x = layer(x, rope, kv, batch, plans[layer.sliding_window])
@@ -235,7 +235,7 @@ class LlamaForCausalLM(torch.nn.Module):
         `max_position`), rows of a table kept across steps and grown as positions do."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
-        cached = getattr(self, "_rope_table", None)
+        cached = self._rope_table
         if cached is None or cached[0] != dtype or cached[1].shape[0] <= max_position:
             # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
             size = max(1 << max_position.bit_length(), 256)

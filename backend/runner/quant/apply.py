@@ -19,7 +19,7 @@ import torch
 
 from backend.runner.quant.formats import KINDS, QuantizedWeight, quantize
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
-from backend.runner.quant.kernels import native
+from backend.runner.quant.kernels import gemm_dtype, native
 
 LINEARS = ("qkv_t", "o_proj_t", "gate_up_t", "down_t")
 LM_HEAD_GROUP = 32
@@ -57,6 +57,7 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
     if spec.kind == "none":
         return 0
     native()  # built (make setup) or built now, at load, rather than at the first request
+    gemm_dtype()  # a bad QUANT_GEMM fails the load, not a request's first long step
     cfg = model.config
     taken: dict[str, QuantizedWeight] = {}
     if gguf_file is not None:

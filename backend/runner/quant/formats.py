@@ -28,7 +28,7 @@ class QuantizedWeight:
     kind: str  # "int8" | "int4"
     q: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2]
     scales: torch.Tensor  # float32 [out, in / group]
-    mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric
+    mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric int8 (int4 always has them)
     group: int
 
     @property

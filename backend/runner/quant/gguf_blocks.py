@@ -34,7 +34,7 @@ _FORMATS = {"Q4_1": ("int4", False), "Q4_0": ("int4", True), "Q8_0": ("int8", Tr
 @dataclass(frozen=True, slots=True)
 class GgufTensor:
     name: str
-    type_name: str  # "Q4_1", "Q8_0", ... (what we serve as is); other types by number
+    type_name: str  # "Q4_0", "Q4_1" or "Q8_0": the block types we serve as they are
     rows: int
     data: np.ndarray  # uint8 [rows, bytes per row], a view of the memory-mapped file
 

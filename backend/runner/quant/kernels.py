@@ -74,8 +74,7 @@ def _bits(weight: QuantizedWeight) -> int:
     return 4 if weight.kind == "int4" else 8
 
 
-def _empty() -> torch.Tensor:
-    return torch.empty(0)
+_NONE = torch.empty(0)  # what the kernels take for an absent mins / bias tensor
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,9 +82,9 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     lib = native() if x.is_cpu and x.dtype == torch.float32 else None
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
-    mins = _empty() if weight.mins is None else weight.mins
+    mins = _NONE if weight.mins is None else weight.mins
     if x.shape[0] <= GEMV_MAX_ROWS[weight.kind]:
-        b = _empty() if bias is None else bias
+        b = _NONE if bias is None else bias
         return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))
     bf16 = gemm_dtype() == torch.bfloat16
     w = lib.dequant(weight.q, weight.scales, mins, weight.group, _bits(weight), bf16, _scratch(weight, bf16))
