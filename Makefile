@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 .PHONY: setup serve test test-fast bench soak lint format clean
 
 setup: $(STAMP)
@@ -19,8 +22,13 @@ $(STAMP): requirements.txt
 serve: setup
 	$(PY) -m launcher serve
 
-test: setup
+test: setup $(CHROMIUM)
 	$(PY) -m pytest -q tests
+
+# The playground's browser tests drive Debian's Chromium (never a browser download).
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	$(SUDO) apt-get install -y -q --no-install-recommends chromium
 
 # Unit tests only: no tritonserver, no frontend.
 test-fast: $(STAMP)

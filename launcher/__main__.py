@@ -66,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     find_triton()
     model = default_model_path(args.model)
     _warn_if_exposed(args.host)
+    ui = _ui_on()
     quant = os.environ.get("QUANT") or "auto (the default model: int4, its GGUF's Q4_1 blocks)"
     print(f"weights: QUANT={quant}; QUANT=none serves float32 (README: Quantization)", flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -80,8 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"starting tritonserver (model {model}) ...", flush=True)
         stack.start()
+        page = f"playground page at {stack.frontend.url}/ (UI=0 leaves it out); " if ui else ""
         print(
-            f"serving {stack.served_model_name!r}: OpenAI API at {stack.base_url} "
+            f"serving {stack.served_model_name!r}: {page}OpenAI API at {stack.base_url} "
             f"(tritonserver gRPC {stack.triton_grpc_url}, HTTP {stack.triton_http_url}, "
             f"metrics {stack.triton_metrics_url}); Ctrl-C stops",
             flush=True,
@@ -94,6 +96,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
+
+
+def _ui_on() -> bool:
+    from openai_frontend.ui import ui_enabled
+
+    try:
+        return ui_enabled(os.environ)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
 
 
 def _watch(stack: Stack) -> int:

@@ -24,6 +24,7 @@ from openai_frontend.operations.auth import KeyRing
 from openai_frontend.operations.gate import Gate
 from openai_frontend.operations.limits import Limits, LimitSettings
 from openai_frontend.responses_api.routes import router as responses_router
+from openai_frontend.ui import mount_ui, ui_enabled
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     """The app; its lifespan opens the one Triton client all requests share and asks the
     running model for its facts and its LoRA adapters (again on the first request that
     needs them, if Triton was not up). API keys, limits, who may manage adapters, what
-    media chat requests may bring (media/settings.py) and a beam search stream's
-    keep-alive interval (SSE_KEEPALIVE_S, seconds) come from the environment
+    media chat requests may bring (media/settings.py), a beam search stream's
+    keep-alive interval (SSE_KEEPALIVE_S, seconds) and whether the playground page is
+    served at / (UI, default 1; openai_frontend/ui/) come from the environment
     (operations/auth.py, limits.py, api/lora.py)."""
     dump_dir = None
     if settings.dump_dir:
@@ -91,4 +93,6 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     app.add_middleware(Gate, keys=keys, limits=limits, on_error=count_error)
     app.include_router(anthropic_router)  # Anthropic's /v1/messages (anthropic/routes.py)
     app.add_middleware(AnthropicErrors)  # outside the gate: its refusals in Anthropic's shape there too
+    if ui_enabled(os.environ):
+        mount_ui(app)  # the playground page at / (openai_frontend/ui/)
     return app

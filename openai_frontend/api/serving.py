@@ -130,7 +130,9 @@ class Serving:
         reply_id = f"{id_prefix}-{uuid.uuid4().hex}"
         dump = None
         if self.dump_dir is not None:
-            dump = RequestDump(self.dump_dir, reply_id, endpoint, body.model_dump(mode="json", exclude_unset=True))
+            dump = RequestDump(
+                self.dump_dir, reply_id, endpoint, body.model_dump(mode="json", exclude_unset=True, by_alias=True)
+            )
         return Reply(reply_id, created, info, dump, choice.model, choice.adapter_slot)
 
     def generate(

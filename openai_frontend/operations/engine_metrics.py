@@ -1,6 +1,7 @@
 """The engine's figures on the frontend's /metrics: read from the model's own series on
 Triton's metrics port at each scrape (the frontend keeps no second count that could
-drift from the engine's), shown under vLLM's names."""
+drift from the engine's), shown under vLLM's names; the block counts and the live count
+of generated tokens (for the playground's Engine tab) keep the model's own names."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ENGINE_SERIES = (
     "llm_kv_blocks_used",
     "llm_kv_blocks_total",
     "llm_preemptions_total",
+    "llm_generated_tokens_total",  # counted as each response goes out, not when a request ends
     "llm_spec_decode_num_drafts_total",
     "llm_spec_decode_num_draft_tokens_total",
     "llm_spec_decode_num_accepted_tokens_total",
@@ -93,8 +95,15 @@ def engine_families(engine: dict[str, float] | None, model: str) -> list[Family]
         usage = used / total
         families.append(_gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage, model))
         families.append(_gauge("vllm:gpu_cache_usage_perc", "Older name of kv_cache_usage_perc.", usage, model))
+        families.append(_gauge("llm_kv_blocks_used", "KV cache blocks in use.", used, model))
+        families.append(_gauge("llm_kv_blocks_total", "KV cache blocks in the pool.", total, model))
     for name, source, help_text in (
         ("vllm:num_preemptions_total", "llm_preemptions_total", "Sequences preempted by the engine."),
+        (
+            "llm_generated_tokens_total",
+            "llm_generated_tokens_total",
+            "Tokens generated, counted as they are sent (vllm:generation_tokens_total counts finished requests).",
+        ),
         ("vllm:spec_decode_num_drafts_total", "llm_spec_decode_num_drafts_total", "Verify steps with drafts."),
         (
             "vllm:spec_decode_num_draft_tokens_total",

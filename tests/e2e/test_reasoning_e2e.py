@@ -172,3 +172,32 @@ def test_anthropics_thinking_is_a_thinking_block(thinking_stack):
     kinds = [block.type for block in message.content]
     assert kinds[0] == "thinking" and message.content[0].thinking
     assert "text" in kinds and "<think>" not in "".join(b.text for b in message.content if b.type == "text")
+
+
+def test_the_playground_shows_reasoning_folded_apart_from_the_answer(browser, thinking_stack, dump_dir):
+    from tests.helpers.browser import open_page, screenshot
+
+    opened = open_page(browser, thinking_stack.frontend.url + "/")
+    page = opened.page
+    try:
+        page.wait_for_selector("#model option", state="attached")
+        page.fill("#max_tokens", "40")
+        page.fill("#seed", "5")
+        page.fill("#prompt", QUESTION[0]["content"])
+        page.press("#prompt", "Enter")
+        page.wait_for_selector(".message.assistant[data-finish]", timeout=120000)
+        folded = page.locator(".message.assistant details.reasoning")
+        assert folded.is_visible() and folded.get_attribute("open") is None
+        shown = folded.locator("div").text_content()
+        records = [json.loads(p.read_text()) for p in dump_dir.glob("*.json")]
+        (record,) = [r for r in records if r["request"].get("seed") == 5 and r["request"].get("stream")]
+        chunks = [json.loads(line[6:]) for line in record["response"].splitlines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+        assert shown and shown == "".join(d.get("reasoning_content", "") for d in deltas)
+        content = page.locator(".message.assistant .content").text_content()
+        assert content == "".join(d.get("content", "") for d in deltas) and "<think>" not in content
+        folded.locator("summary").click()
+        screenshot(page, "chat-reasoning.png")
+        assert opened.errors == []
+    finally:
+        opened.close()

@@ -64,6 +64,7 @@ llm_kv_blocks_total 20
 llm_requests_running{} 2
 llm_requests_waiting 1
 llm_preemptions_total 3
+llm_generated_tokens_total 41
 llm_kv_blocks_used_other 99
 llm_spec_decode_num_drafts_total 7
 llm_spec_decode_num_draft_tokens_total 20
@@ -81,6 +82,7 @@ def test_engine_page_is_parsed_and_becomes_vllm_gauges():
         "llm_requests_running": 2,
         "llm_requests_waiting": 1,
         "llm_preemptions_total": 3,
+        "llm_generated_tokens_total": 41,
         "llm_spec_decode_num_drafts_total": 7,
         "llm_spec_decode_num_draft_tokens_total": 20,
         "llm_spec_decode_num_accepted_tokens_total": 9,
@@ -93,6 +95,10 @@ def test_engine_page_is_parsed_and_becomes_vllm_gauges():
     assert _value(text, 'vllm:num_requests_running{model_name="smol"}') == 2
     assert _value(text, 'vllm:num_requests_waiting{model_name="smol"}') == 1
     assert _value(text, 'vllm:num_preemptions_total{model_name="smol"}') == 3
+    # the live token count and the block counts, as the playground's Engine tab draws them
+    assert _value(text, 'llm_generated_tokens_total{model_name="smol"}') == 41
+    assert _value(text, 'llm_kv_blocks_used{model_name="smol"}') == 5
+    assert _value(text, 'llm_kv_blocks_total{model_name="smol"}') == 20
     assert _value(text, 'vllm:spec_decode_num_drafts_total{model_name="smol"}') == 7
     assert _value(text, 'vllm:spec_decode_num_draft_tokens_total{model_name="smol"}') == 20
     assert _value(text, 'vllm:spec_decode_num_accepted_tokens_total{model_name="smol"}') == 9
