@@ -1,4 +1,7 @@
-"""The e2e tests' browser: one headless Chromium for the session (tests/helpers/browser.py)."""
+"""The e2e tests' browser: headless Chromium (tests/helpers/browser.py), one per test module.
+
+Per module, not per session: Playwright's sync API keeps an asyncio loop running on the
+main thread while it is open, and later tests that call asyncio.run() would fail."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 from tests.helpers.browser import CHROMIUM, FLAGS
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (or set CHROMIUM)")
