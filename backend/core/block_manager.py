@@ -22,6 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from backend.contract.routing import routing_scope
 from backend.core.sequence import EncoderState, Sequence
 
 
@@ -39,8 +40,15 @@ class KVEventKind(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class KVEvent:
+    """A block entered (STORED) or left (EVICTED) the prefix cache. A stored block also
+    carries what a KV-aware router needs to match it: its parent's hash (None: the chain's
+    first block), its tokens and its routing scope (backend.contract.routing)."""
+
     kind: KVEventKind
     block_hash: bytes
+    parent_hash: bytes | None = None
+    tokens: tuple[int, ...] = ()
+    scope: str | None = None
 
 
 def _root_hash(seq: Sequence) -> bytes:
@@ -51,6 +59,11 @@ def _root_hash(seq: Sequence) -> bytes:
     scope = json.dumps(["root", seq.request.lookup_tenant, seq.request.cache_salt, version])  # no salt spells a tenant
     root = hashlib.sha256(scope.encode()).digest()[:16]
     return chain_hash(root, seq.encoder.tokens) if seq.encoder is not None else root
+
+
+def _routing_scope(seq: Sequence) -> str | None:
+    adapter = seq.adapter.name if seq.adapter is not None else ""
+    return routing_scope(seq.request.lookup_tenant, seq.request.cache_salt, adapter)
 
 
 def chain_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -117,14 +130,23 @@ class BlockManager:
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return
         self._hash_full_blocks(seq, seq.num_computed_tokens)
+        scope = _routing_scope(seq)
         for i in range(seq.num_registered_blocks, num_full):
             block, block_hash = self.blocks[seq.block_table[i]], seq.block_hashes[i]
             # The same content may have been computed twice concurrently: keep the first copy.
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
-                self.events.append(KVEvent(KVEventKind.STORED, block_hash))
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                parent = seq.block_hashes[i - 1] if i else None
+                self.events.append(KVEvent(KVEventKind.STORED, block_hash, parent, tokens, scope))
         seq.num_registered_blocks = num_full
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first (at most the last 4096 are kept)."""
+        events = list(self.events)
+        self.events.clear()
+        return events
 
     # -- allocation ---------------------------------------------------------
 

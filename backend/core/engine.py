@@ -220,6 +220,10 @@ class LLMEngine:
         """Speculative decoding's counters since start (a copy)."""
         return self.speculator.stats.copy()
 
+    def take_kv_events(self) -> list:
+        """The prefix cache's KV events since the last call (backend.serving.kv_events)."""
+        return self.block_manager.take_events()
+
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()
 

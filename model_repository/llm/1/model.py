@@ -41,6 +41,7 @@ from backend.core.engine import LLMEngine  # noqa: E402
 from backend.serving.drain import install_drain_handler  # noqa: E402
 from backend.serving.engine_thread import EngineThread  # noqa: E402
 from backend.serving.gauges import Gauges  # noqa: E402
+from backend.serving.kv_events import KvEventSink  # noqa: E402
 from backend.serving.live import LiveRequests  # noqa: E402
 from backend.serving.sender import SenderLoop  # noqa: E402
 
@@ -54,7 +55,8 @@ class TritonPythonModel:
         _check_numpy_abi()
         config = EngineConfig.from_env(os.environ.get("LLM_MODEL_PATH"))
         self._live = LiveRequests()
-        self._engine = EngineThread(lambda: LLMEngine(config), self._live.push, self._live.fail)
+        kv_events = KvEventSink.from_env(os.environ, config.block_size)  # for a KV-aware router (README: Replicas)
+        self._engine = EngineThread(lambda: LLMEngine(config), self._live.push, self._live.fail, kv_events=kv_events)
         self._ids = itertools.count()
         self._draining = threading.Event()
         self._engine.start()
