@@ -70,6 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     quant = os.environ.get("QUANT") or "auto (the default model: int4, its GGUF's Q4_1 blocks)"
     print(f"weights: QUANT={quant}; QUANT=none serves float32 (README: Quantization)", flush=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    replicas = _replicas()
+    if replicas > 1:
+        return _serve_replicas(args, model, replicas, ui)
     stack = Stack(
         model,
         host=args.host,
@@ -94,6 +97,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+
+
+def _replicas() -> int:
+    from launcher.replica_stack import replicas_from_env
+
+    try:
+        return replicas_from_env(os.environ.get("REPLICAS"))
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+
+
+def _serve_replicas(args: argparse.Namespace, model: Path, replicas: int, ui: bool) -> int:
+    """REPLICAS=N: N tritonservers behind Dynamo's KV-aware router (launcher/replica_stack.py)."""
+    from launcher.replica_stack import ReplicaStack
+
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    stack = ReplicaStack(model, replicas, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                         **({"log_dir": log_dir} if log_dir else {}))  # fmt: skip
+    try:
+        print(f"starting nats-server and {replicas} tritonservers (model {model}) behind Dynamo's router ...",
+              flush=True)  # fmt: skip
+        stack.start()
+        page = f"playground page at {stack.frontend.url}/; " if ui else ""
+        servers = ", ".join(server.grpc_url for server in stack.servers)
+        print(f"serving {stack.served_model_name!r}: {page}OpenAI API at {stack.base_url} over {replicas} instances "
+              f"(tritonserver gRPC {servers}; routing on {stack.metrics_url}); Ctrl-C stops", flush=True)  # fmt: skip
+        while True:
+            stack.check()
+            time.sleep(0.5)
+    except (KeyboardInterrupt, _Terminated):
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
 

@@ -22,26 +22,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import httpx
 import tritonclient.grpc.aio as grpcclient
 
+from openai_frontend.generation.dynamo_view import ENDPOINT, WorkerInfo
 from openai_frontend.operations.engine_metrics import parse_engine
 
 log = logging.getLogger("dynamo_worker")
-ENDPOINT = "llm.generate"  # component.endpoint, under the namespace
 CHECK_S = 0.5
-
-
-@dataclass(slots=True, frozen=True)
-class WorkerInfo:
-    """What the endpoint answers: where this worker's tritonserver listens."""
-
-    triton_grpc_url: str
-    triton_metrics_url: str
-    served_model_name: str
 
 
 def dynamo_env(nats_url: str, discovery_dir: str, host: str = "127.0.0.1") -> dict[str, str]:
@@ -63,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--namespace", default="tritonllm")
     parser.add_argument("--triton-grpc-url", required=True)
     parser.add_argument("--triton-metrics-url", required=True)
+    parser.add_argument("--advertise-grpc-url", help="the gRPC address routers use (default: --triton-grpc-url)")
+    parser.add_argument("--advertise-metrics-url", help="the metrics URL routers use (default: --triton-metrics-url)")
     parser.add_argument("--kv-events", required=True, help="the tritonserver's KV_EVENTS_ENDPOINT")
     parser.add_argument("--model-path", required=True, help="the served Hugging Face folder (its tokenizer)")
     parser.add_argument("--served-model-name", required=True)
@@ -94,7 +88,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     while not await _model_ready(args.triton_grpc_url):
         await asyncio.sleep(CHECK_S)
-    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", True)
+    backend, plane = os.environ.get("DYN_DISCOVERY_BACKEND", "file"), os.environ.get("DYN_REQUEST_PLANE", "tcp")
+    runtime = DistributedRuntime(asyncio.get_running_loop(), backend, plane, True)
     endpoint = runtime.endpoint(f"{args.namespace}.{ENDPOINT}")
     config = ModelRuntimeConfig()
     config.total_kv_blocks = await _kv_blocks_total(args.triton_metrics_url)
@@ -108,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
         ModelInput.Tokens, ModelType.Completions, endpoint, args.model_path, args.served_model_name,
         kv_cache_block_size=args.block_size, runtime_config=config,
     )  # fmt: skip
-    info = asdict(WorkerInfo(args.triton_grpc_url, args.triton_metrics_url, args.served_model_name))
+    info = asdict(_worker_info(args))
 
     async def describe(request, context=None):
         yield info
@@ -120,6 +115,12 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         watch.cancel()
         publisher.shutdown()
+
+
+def _worker_info(args: argparse.Namespace) -> WorkerInfo:
+    grpc_url = args.advertise_grpc_url or args.triton_grpc_url
+    metrics_url = args.advertise_metrics_url or args.triton_metrics_url
+    return WorkerInfo(grpc_url, metrics_url, args.served_model_name, args.block_size)
 
 
 async def _watch_health(endpoint, triton_grpc_url: str) -> None:

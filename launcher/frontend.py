@@ -33,6 +33,7 @@ class Frontend:
         log_dir: Path | None = LOG_DIR,
         startup_timeout_s: float = 120.0,
         triton_metrics_url: str | None = None,
+        extra_args: list[str] | None = None,
     ):
         self.triton_grpc_url = triton_grpc_url
         self.triton_metrics_url = triton_metrics_url  # None: the frontend's default
@@ -43,6 +44,7 @@ class Frontend:
         self.extra_env = dict(env or {})
         self.log_dir = log_dir
         self.startup_timeout_s = startup_timeout_s
+        self.extra_args = list(extra_args or [])  # e.g. --dynamo-namespace (launcher/replica_stack.py)
         self.process: ManagedProcess | None = None
 
     @property
@@ -60,6 +62,7 @@ class Frontend:
             "--model-path", str(self.model_path),
             "--served-model-name", self.served_model_name,
             *metrics,
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self, watch: list[ManagedProcess] | None = None) -> Frontend:

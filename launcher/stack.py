@@ -109,6 +109,11 @@ class TritonServer:
         ]
 
     def start(self) -> TritonServer:
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> TritonServer:
+        """Start the process without waiting for the model (`wait_ready`): several
+        servers load their models at once."""
         check_numpy_abi()
         install = find_triton()
         env = triton_env(install)
@@ -119,6 +124,9 @@ class TritonServer:
             env["LORA_MODULES"] = absolute_lora_modules(env["LORA_MODULES"])
         log = log_path(self.log_dir, "tritonserver", self.ports.grpc, self.restarts)
         self.process = ManagedProcess("tritonserver", self.argv(install), env, REPO_ROOT, log)
+        return self
+
+    def wait_ready(self) -> TritonServer:
         try:
             wait_http_ok(self.ready_url, [self.process], self.startup_timeout_s, f"model {MODEL_NAME!r}")
         except BaseException:

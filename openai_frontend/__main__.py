@@ -9,6 +9,7 @@ import os
 import uvicorn
 
 from openai_frontend.app import Settings, create_app
+from openai_frontend.generation.routing import ROUTER_MODES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,6 +25,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model-path", required=True, help="the served Hugging Face model folder")
     parser.add_argument("--served-model-name", default=None, help="default: the folder's name")
+    parser.add_argument(
+        "--dynamo-namespace",
+        default=None,
+        help="serve through the Triton instances registered in NVIDIA Dynamo under this namespace "
+        "(launcher.dynamo_worker), routed by Dynamo's KV-aware router; --triton-url is then unused",
+    )
+    parser.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="with --dynamo-namespace")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--dump",
@@ -39,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model_path.rstrip("/").rsplit("/", 1)[-1]
     metrics_url = args.triton_metrics_url or default_metrics_url(args.triton_url)
-    app = create_app(Settings(args.model_path, name, args.triton_url, args.dump, triton_metrics_url=metrics_url))
+    settings = Settings(args.model_path, name, args.triton_url, args.dump, triton_metrics_url=metrics_url,
+                        dynamo_namespace=args.dynamo_namespace, router_mode=args.router_mode)  # fmt: skip
+    app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

@@ -18,6 +18,8 @@ from openai_frontend.api.errors import install_handlers
 from openai_frontend.api.routes import router
 from openai_frontend.api.serving import Serving
 from openai_frontend.generation.engine_client import TritonLLM
+from openai_frontend.generation.replicas import Replicas
+from openai_frontend.generation.routing import RoutingPolicy
 from openai_frontend.generation.tokenization import Tokenization
 from openai_frontend.media.settings import MediaSettings
 from openai_frontend.operations.auth import KeyRing
@@ -36,6 +38,21 @@ class Settings:
     triton_url: str = "127.0.0.1:8001"
     dump_dir: str | None = None  # --dump: one JSON file per request in this folder
     triton_metrics_url: str | None = None  # the engine's gauges on /metrics come from here
+    # several instances registered in NVIDIA Dynamo under this namespace instead of one
+    # triton_url (generation/replicas.py), routed in router_mode (generation/routing.py)
+    dynamo_namespace: str | None = None
+    router_mode: str = "kv"
+
+
+async def _engine(settings: Settings, serving: Serving) -> TritonLLM | Replicas:
+    """The one Triton instance's client, or the instances behind Dynamo's router."""
+    if not settings.dynamo_namespace:
+        return TritonLLM(settings.triton_url)
+    replicas = Replicas(settings.dynamo_namespace, RoutingPolicy(mode=settings.router_mode))
+    await replicas.start()
+    serving.metrics.router = replicas
+    log.info("routing over Dynamo namespace %r (%s)", settings.dynamo_namespace, settings.router_mode)
+    return replicas
 
 
 def create_app(settings: Settings, tokenization: Tokenization | None = None) -> FastAPI:
@@ -57,7 +74,7 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        serving.engine = TritonLLM(settings.triton_url)
+        serving.engine = await _engine(settings, serving)
         try:
             await serving.model_info()
         except Exception as exc:  # noqa: BLE001 - asked again by the first request

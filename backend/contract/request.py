@@ -26,11 +26,6 @@ MAX_TOP_LOGPROBS = 20
 
 EARLY_STOPPING = ("false", "true", "never")  # transformers' False, True and "never"
 
-# Fields of the seed's request whose feature is not built yet: refused unless at their default.
-UNBUILT: dict[str, str] = {
-    "session_hash": "prefix-aware routing",
-}
-
 Check = tuple[str, bool, str]  # (field, whether it holds, why not)
 
 
@@ -191,7 +186,8 @@ class GenerationRequest:
     # images and videos, preprocessed, in prompt order (backend.contract.vision): the prompt
     # holds each one's placeholder tokens, one per merged patch
     vision: tuple[VisionItem, ...] = ()
-    # not built yet (UNBUILT): refused unless at the default
+    # the conversation, for a router in front of several instances (backend.contract.routing;
+    # the frontend sets it); the engine itself does not read it
     session_hash: str = ""
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> None:
@@ -236,10 +232,6 @@ class GenerationRequest:
             self.adapter_slot >= -1,
             "must be 0 (the base model), an adapter's slot, or -1 (the active adapter)",
         )
-        for name, feature in UNBUILT.items():
-            default = _DEFAULTS[name]
-            unset = getattr(self, name) == default
-            yield (name, unset, f"{feature} is not supported by this server yet; leave it out or set it to {default!r}")
 
     def _beam_checks(self) -> Iterator[Check]:
         yield ("num_beams", self.num_beams >= 1, "must be at least 1 (1: no beam search)")
@@ -271,7 +263,6 @@ class GenerationRequest:
         yield ("suppress_tool_call", not g.suppress_tool_call)
 
 
-_DEFAULTS = {name: getattr(GenerationRequest([]), name) for name in UNBUILT}
 _SEARCH_DEFAULTS = {name: getattr(GenerationRequest([]), name) for name in ("length_penalty", "early_stopping")}
 _SAMPLING_DEFAULTS = SamplingParams()
 _SAMPLER_FIELDS = (

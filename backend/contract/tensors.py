@@ -91,7 +91,7 @@ REQUEST_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("vision_grids", "int32", MATRIX, "vision"),  # [items, 3]: (t, h, w) in patches
     TensorSpec("vision_pixels", "float32", MATRIX, "vision"),  # [sum of t*h*w, patch_dim]
     TensorSpec("vision_seconds", "float64", LIST, "vision"),  # a video's seconds per temporal patch
-    # not built yet (request.UNBUILT): refused unless at the default
+    # a router's: the conversation (backend.contract.routing)
     TensorSpec("session_hash", "bytes"),
     # SamplingParams
     _sampling("max_tokens", "int32"),

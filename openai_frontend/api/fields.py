@@ -57,6 +57,7 @@ def _no_obfuscation(options: Any) -> bool:
     return not (isinstance(options, dict) and options.get("include_obfuscation"))
 
 
+_SESSION = "names the conversation: with several instances (REPLICAS), it stays on one while that one is healthy"
 _PREDICTION = "Predicted Outputs: the expected output's tokens are drafts for speculative decoding"
 
 # the fields both endpoints take
@@ -94,7 +95,7 @@ CHAT: dict[str, FieldRule] = {
     "reasoning_effort": _supported("thinking on or off and its budget (a 400 for a model that does not reason)"),
     "metadata": _no_effect("OpenAI's tags for stored completions; nothing is stored here"),
     "safety_identifier": _no_effect("OpenAI's end-user id for abuse monitoring"),
-    "prompt_cache_key": _no_effect("OpenAI's cache routing hint; this server's prefix cache needs none"),
+    "prompt_cache_key": _supported(_SESSION),
     "store": _partly("stored completions are not kept by this server", lambda value: value is False),
     "service_tier": _partly("one tier here: auto or default", lambda value: value in ("auto", "default")),
     "modalities": _partly("text only: no audio output", lambda value: list(value) == ["text"]),
@@ -145,11 +146,15 @@ EXTENSIONS: dict[str, FieldRule] = {
         "xgrammar is the one backend here", lambda value: value in ("xgrammar", "auto", "")
     ),
     "guided_whitespace_pattern": _refused("JSON whitespace is fixed here (one line, json.dumps' separators)"),
+    "session_id": _supported(_SESSION),
     "return_token_ids": _supported("vLLM's: each choice's token_ids and the response's prompt_token_ids"),
 }
 
 # completions' own extensions: chat's Predicted Outputs
-COMPLETION_EXTENSIONS: dict[str, FieldRule] = {"prediction": _supported(_PREDICTION)}
+COMPLETION_EXTENSIONS: dict[str, FieldRule] = {
+    "prediction": _supported(_PREDICTION),
+    "prompt_cache_key": _supported(_SESSION),
+}
 
 # chat's own extensions
 CHAT_EXTENSIONS: dict[str, FieldRule] = {
@@ -161,12 +166,13 @@ CHAT_EXTENSIONS: dict[str, FieldRule] = {
 # Fields of the contract's request a client may not set by name: the frontend derives them
 # from the body (the logprob fields shape the response, which the body's own fields ask for;
 # num_return_sequences is a search's `n`, the language ids come from src_lang / tgt_lang,
-# the vision tensors from a chat's image and video parts); model_info and adapter_command are
+# the vision tensors from a chat's image and video parts, session_hash from the session the body
+# names or its prompt: backend.contract.routing); model_info and adapter_command are
 # inputs of queries, not of requests.
 DERIVED = frozenset(
     {"prompt_tokens", "stream", "lookup_tenant", "model_info", "adapter_command", "logprobs", "top_logprobs",
      "num_return_sequences", "src_lang_id", "tgt_lang_id", "vision_kinds", "vision_grids", "vision_pixels",
-     "vision_seconds"}
+     "vision_seconds", "session_hash"}
 )  # fmt: skip
 
 

@@ -88,6 +88,9 @@ class GenerationBody(BaseModel):
     top_p: float | None = None
     user: str | None = None
     prediction: Prediction | None = None  # chat's, in the spec; completions take it too
+    # the conversation, kept on one instance by the router (backend.contract.routing):
+    # OpenAI's name (chat's, in the spec; completions take it too), or vLLM users' session_id
+    prompt_cache_key: str | None = Field(None, max_length=1024)
 
     # --- extensions (vLLM-style extra body fields) ---
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM sends -1)
@@ -109,6 +112,7 @@ class GenerationBody(BaseModel):
     # a translation model's languages as FLORES-200 codes (api/translation.py); absent: the deployment's
     src_lang: str | None = None
     tgt_lang: str | None = None
+    session_id: str | None = Field(None, max_length=1024)  # the same as prompt_cache_key
     # Any other field of the contract's request not derived by the frontend (dry_multiplier,
     # thinking_budget, ...) may be sent by its contract name and is forwarded as is
     # (api/fields.py `forwardable`).
@@ -152,6 +156,10 @@ class GenerationBody(BaseModel):
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def session_name(self) -> str | None:
+        """The conversation the client names (prompt_cache_key, else session_id), if any."""
+        return self.prompt_cache_key or self.session_id
 
     def sets(self, name: str) -> bool:
         """Whether the body gives a value for the sampling field `name` (a model preset

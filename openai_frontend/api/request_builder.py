@@ -4,7 +4,8 @@ The one place where API names meet the contract's: `max_completion_tokens` is th
 request's `max_tokens`, `logit_bias` its ids and values, `timeout` its guards'
 `timeout_s`, `repetition_detection` its loop limits, a beam search's `n` its
 num_return_sequences (api/beams.py), `src_lang` / `tgt_lang` its language ids
-(api/translation.py). The model's sampling presets (ModelInfo.sampling_defaults, chat
+(api/translation.py), `prompt_cache_key` / `session_id` its session_hash
+(backend.contract.routing). The model's sampling presets (ModelInfo.sampling_defaults, chat
 only; a search keeps their bounds alone) fill what the body leaves unset, and extension
 fields a client sends by their contract name (`dry_multiplier`, `thinking_budget`, ...)
 are set by name through the contract: `adapter_slot` too, over the slot the body's
@@ -25,6 +26,7 @@ from backend.contract import (
     SamplingParams,
     apply_inputs,
 )
+from backend.contract.routing import session_hash
 from openai_frontend.api.beams import beam_settings
 from openai_frontend.api.errors import OpenAIError, bad_request
 from openai_frontend.api.fields import forwardable
@@ -56,6 +58,7 @@ def build_request(
     request = GenerationRequest(
         list(prompt), _sampling(body, defaults), _guards(body, info), lookup_tenant=tenant, stream=stream,
         prediction_tokens=tuple(prediction), adapter_slot=adapter_slot,
+        session_hash=session_hash(tenant, prompt, body.session_name()),
     )  # fmt: skip
     grammar = grammar_of(body)  # response_format, or vLLM's structured outputs
     if grammar is not None:

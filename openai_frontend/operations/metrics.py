@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.contract import FinalEvent
 from openai_frontend.operations.engine_metrics import engine_families, read_engine
@@ -166,6 +167,7 @@ class Metrics:
 
     model_name: str = ""
     engine_url: str | None = None  # Triton's metrics endpoint, for the engine's gauges
+    router: Any = None  # generation/replicas.Replicas, when several instances serve: theirs instead
     requests: Tally[str] = field(default_factory=Tally)  # by endpoint
     errors: Tally[int] = field(default_factory=Tally)  # by HTTP status
     finished_reasons: Tally[str] = field(default_factory=Tally)  # by finish_reason ("abort": client left)
@@ -202,13 +204,17 @@ class Metrics:
         self.lora.observe(self.model_name, lora, "abort")
 
     async def scrape(self) -> str:
-        """The page, with the engine's gauges as of now."""
-        return self.render(await read_engine(self.engine_url))
+        """The page, with the engine's gauges as of now (the instances' summed, and the
+        router's own series, when several serve)."""
+        if self.router is None:
+            return self.render(await read_engine(self.engine_url))
+        return self.render(await self.router.engine_figures(), self.router.families())
 
-    def render(self, engine: dict[str, float] | None = None) -> str:
+    def render(self, engine: dict[str, float] | None = None, router: list | tuple = ()) -> str:
         lines = self._legacy_lines()
         tokens = self.tokens.all() if self.tokens is not None else ()
-        families = (*tokens, *self.latencies.all(), *self.lora.all(), *engine_families(engine, self.model_name))
+        families = (*tokens, *self.latencies.all(), *self.lora.all(), *engine_families(engine, self.model_name),
+                    *router)  # fmt: skip
         for family in families:
             lines += family.render()
         return "\n".join(lines) + "\n"

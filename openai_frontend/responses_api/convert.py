@@ -101,5 +101,6 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Respons
         "top_p": body.top_p,
         "stream": bool(body.stream),
         "user": body.user,
+        "prompt_cache_key": body.prompt_cache_key,  # the conversation, for the router (REPLICAS)
     }
     return ResponsesChat.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -44,7 +44,6 @@ class ReasoningConfig(_Strict):
 NO_EFFECT = {
     "user": "OpenAI's end-user id for abuse monitoring",
     "safety_identifier": "OpenAI's end-user id for abuse monitoring",
-    "prompt_cache_key": "a cache routing hint; the engine's prefix cache needs none",
     "metadata": "kept with the stored response and echoed",
 }
 

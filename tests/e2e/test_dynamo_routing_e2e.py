@@ -15,8 +15,9 @@ import pytest
 
 from backend.contract.routing import routing_scope
 from launcher import Stack, TritonServer
-from launcher.dynamo_worker import ENDPOINT, dynamo_env
+from launcher.dynamo_worker import dynamo_env
 from launcher.replicas import DynamoWorker, NatsServer, kv_events_endpoint
+from openai_frontend.generation.dynamo_view import ENDPOINT
 
 pytestmark = pytest.mark.e2e
 

@@ -203,27 +203,10 @@ def test_absent_inputs_take_their_defaults():
     assert decoded == GenerationRequest([5, 6])
 
 
-@pytest.mark.parametrize(
-    ("name", "request_"),
-    [
-        ("session_hash", GenerationRequest([1], session_hash="abc")),
-    ],
-)
-def test_unbuilt_field_with_a_non_default_value_is_refused(name, request_):
-    arrays = encode_request(request_)
-    assert name in arrays
-    with pytest.raises(ContractError) as info:
-        decode_request(arrays)
-    assert info.value.field == name
-    assert "not supported" in info.value.message
-    with pytest.raises(ContractError) as info:  # and by the builder's own check
-        request_.validate()
-    assert info.value.field == name
-
-
-def test_unbuilt_field_at_its_default_is_accepted():
-    request = GenerationRequest([1], num_beams=1, session_hash="", adapter_slot=0, vision=())
-    assert decode_request(encode_request(request)).num_beams == 1
+def test_a_session_hash_crosses_the_wire():
+    request = GenerationRequest([1], session_hash="ab12")
+    assert decode_request(encode_request(request)).session_hash == "ab12"
+    request.validate()
 
 
 PROMPT = np.array([1], np.int32)

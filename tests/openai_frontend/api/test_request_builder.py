@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backend import contract
+from backend.contract.routing import session_hash
 from openai_frontend.api.chat_protocol import ChatCompletionRequest
 from openai_frontend.api.errors import OpenAIError
 from openai_frontend.api.protocol import CompletionRequest
@@ -32,7 +33,7 @@ def test_chat_request_maps_to_the_generation_request():
         stop_token_ids=[4],
         ignore_eos=True,
         presence_penalty=0.5,
-        session_hash="s1",  # an unbuilt contract field, set by its contract name for the contract to refuse
+        num_beams=1,  # a contract field, set by its contract name
         lookup_tenant="other",  # never settable by a client
         unknown_field=1,
     )
@@ -41,7 +42,7 @@ def test_chat_request_maps_to_the_generation_request():
     assert request.prompt_tokens == [1, 2, 3] and request.stream is True and request.lookup_tenant == ""
     assert (sampling.max_tokens, sampling.min_tokens, sampling.temperature, sampling.top_p) == (7, 2, 0.5, 0.9)
     assert (sampling.seed, sampling.top_k, sampling.stop_token_ids, sampling.ignore_eos) == (3, 5, (4,), True)
-    assert sampling.presence_penalty == 0.5 and request.session_hash == "s1"
+    assert sampling.presence_penalty == 0.5
     arrays = contract.encode_request(request)
     assert set(arrays) == {
         "prompt_tokens",
@@ -62,18 +63,23 @@ def test_chat_request_maps_to_the_generation_request():
     assert body.param_of("max_tokens") == "max_completion_tokens"
     # the tenant is the API key's, whatever the body says
     assert _build(body, tenant="alice").lookup_tenant == "alice"
-    # the unbuilt feature is refused before anything is sent, naming its field
-    with pytest.raises(OpenAIError) as refused:
-        validated(body, request, INFO)
-    assert refused.value.status == 400 and refused.value.param == "session_hash"
+    validated(body, request, INFO)
+    # the session: the prompt's (and the tenant's), or the one the client names
+    assert request.session_hash == session_hash("", [1, 2, 3])
+    assert _build(body, [1, 2, 3], tenant="alice").session_hash == session_hash("alice", [1, 2, 3])
+    named = body.model_copy(update={"prompt_cache_key": "conv-7"})
+    assert _build(named, [1, 2, 3]).session_hash == session_hash("", [9], "conv-7")
+    assert _build(ChatCompletionRequest(messages=USER_X, session_id="conv-7"), [4]).session_hash == session_hash(
+        "", [], "conv-7"
+    )
 
 
-def test_defaults_send_only_the_prompt_and_the_stream_flag_when_streaming():
+def test_defaults_send_only_the_prompt_its_session_and_the_stream_flag_when_streaming():
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_k=-1)
     request = _build(body)
     assert request.sampling.top_k == 0  # vLLM's -1: off
-    assert set(contract.encode_request(request)) == {"prompt_tokens"}  # stream=False is the default
-    assert set(contract.encode_request(_build(body, stream=True))) == {"prompt_tokens", "stream"}
+    assert set(contract.encode_request(request)) == {"prompt_tokens", "session_hash"}  # stream=False: the default
+    assert set(contract.encode_request(_build(body, stream=True))) == {"prompt_tokens", "session_hash", "stream"}
 
 
 def test_chat_features_map_to_their_fields_and_back():
