@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench import beams, grammar_cost, llamacpp, lora, quality, sampler_cost, speculative, vision
+from bench import beams, grammar_cost, llamacpp, lora, quality, routing, sampler_cost, speculative, vision
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -305,3 +305,5 @@ def main(argv: list[str] | None = None) -> None:
     beams.main(model_path, prompts_for(tokenizer, beams.STREAMS))  # beam search against transformers
     print()
     vision.main()  # prefill with images against transformers
+    print()
+    routing.main(model_path)  # KV-aware routing against round robin over 3 instances
