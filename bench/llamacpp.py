@@ -18,13 +18,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+
+from launcher.procs import free_port
 
 PROMPT_TOKENS = 2048
 GEN_TOKENS = 256
@@ -35,12 +36,6 @@ def server_binary() -> str | None:
     """The llama-server binary named by ``LLAMA_SERVER``, if it is set and executable."""
     path = os.environ.get("LLAMA_SERVER")
     return path if path and os.access(path, os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -64,7 +59,7 @@ def llama_server(binary: str, gguf: str, parallel: int = 32, threads: int = 2, c
     repeated runs gain nothing from earlier ones. ``--no-repack`` turns off the AMX weight layout
     (this build's only repack for Q4_1), whose tile instructions the host may refuse (SIGILL).
     """
-    port = _free_port()
+    port = free_port()
     size = ctx or parallel * (PROMPT_TOKENS + GEN_TOKENS)
     flags = f"-np {parallel} -t {threads} -tb {threads} -c {size} --host 127.0.0.1 --port {port}"
     flags += " --cache-ram 0 --no-cache-idle-slots --no-repack --no-webui"

@@ -30,10 +30,33 @@ class StartupError(RuntimeError):
     """A process died or never became ready during start-up."""
 
 
+_ISSUED_PORTS: set[int] = set()
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports, none handed out before by this process.
+
+    All sockets stay bound until every port is picked, so the kernel cannot give the same
+    port twice within one call (it did: tritonserver refused gRPC and metrics on one port)."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in _ISSUED_PORTS:
+                ports.append(port)
+                _ISSUED_PORTS.add(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def _die_with_parent() -> None:

@@ -33,7 +33,7 @@ from launcher.procs import (
     StartupError,
     Stub,
     find_stubs,
-    free_port,
+    free_ports,
     http_ok,
     reap_stubs,
     signal_stubs,
@@ -52,15 +52,17 @@ class TritonPorts:
 
     @classmethod
     def free(cls) -> TritonPorts:
-        return cls(free_port(), free_port(), free_port())
+        return cls(*free_ports(3))
 
     @classmethod
     def from_env(cls) -> TritonPorts:
         """TRITON_{HTTP,GRPC,METRICS}_PORT where set, free ports elsewhere."""
 
+        spare = iter(free_ports(3))
+
         def pick(name: str) -> int:
             value = os.environ.get(name)
-            return int(value) if value else free_port()
+            return int(value) if value else next(spare)
 
         return cls(pick("TRITON_HTTP_PORT"), pick("TRITON_GRPC_PORT"), pick("TRITON_METRICS_PORT"))
 
