@@ -29,11 +29,14 @@ from backend.sampling.grammar import CompiledGrammar, GrammarState
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
-# Most whitespace characters allowed between two JSON tokens. Unbounded whitespace
-# (xgrammar's default) lets a weak model, or a sampler with a flat distribution, emit
-# newlines forever inside an otherwise valid document; 24 still fits pretty-printed
-# JSON nested 5 levels deep with an indent of 4.
-JSON_MAX_WHITESPACE = 24
+# Most whitespace characters allowed between two JSON tokens of a structural tag (tool
+# calls). Unbounded whitespace (xgrammar's default) lets a weak model, or a sampler with
+# a flat distribution, emit newlines forever inside an otherwise valid document; a bound
+# of 24 still let SmolLM2 at temperature 1 write 16+ single-newline tokens in one gap,
+# which the content-loop guard (rightly) took for a loop and cut the call short (seen
+# once in CI). One character keeps ", ", ": " and a newline; as with response_format,
+# the layout of arguments carries no information.
+JSON_MAX_WHITESPACE = 1
 # response_format output is one line, laid out as json.dumps lays it out: ", " and ": "
 # and no other whitespace. With free whitespace (xgrammar's default), the default model
 # sampling at 0.7 wrote newlines between most tokens and ran out of max_tokens before

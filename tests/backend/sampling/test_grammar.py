@@ -229,7 +229,7 @@ def test_json_schema_refuses_invalid_documents_at_the_offending_token(compiler, 
 
 
 def test_tool_call_json_whitespace_is_bounded(compiler, tokenizer):
-    """JSON inside a structural tag (tool-call arguments) may be laid out freely, up to
+    """JSON inside a structural tag (tool-call arguments) may have whitespace between tokens, up to
     JSON_MAX_WHITESPACE whitespace characters in a row."""
     spaced = "<tool_call>\n{" + " " * JSON_MAX_WHITESPACE + '"name": "get_weather", "arguments": {"city": "Oslo"}}'
     assert first_refused(compiler.new_state("structural_tag", HERMES_TAG), encode(tokenizer, spaced)) is None
