@@ -10,6 +10,10 @@ tritonserver over gRPC itself.
 
 While the model is not ready (tritonserver or its stub died; the watchdog restarts them)
 the instance is taken out of discovery, and put back once the model is ready again.
+If its registration disappears while it should be listed (file discovery expires keys
+not touched for 10 s, e.g. after the machine was paused: a suspended VM's every worker
+expired at once), the shim starts over in the same process (`os.execv`): a fresh
+runtime registers the instance, its model card and its event channel again.
 
 Dynamo reads its own settings from the environment: NATS_SERVER, DYN_DISCOVERY_BACKEND
 (`file`, with DYN_FILE_KV its folder), DYN_REQUEST_PLANE (`tcp`), DYN_TCP_RPC_HOST,
@@ -24,6 +28,8 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import time
 from dataclasses import asdict
 
 import httpx
@@ -34,6 +40,7 @@ from openai_frontend.operations.engine_metrics import parse_engine
 
 log = logging.getLogger("dynamo_worker")
 CHECK_S = 0.5
+LOST_AFTER_S = 3.0  # listed but absent from discovery this long: the registration is lost
 
 
 def dynamo_env(nats_url: str, discovery_dir: str, host: str = "127.0.0.1") -> dict[str, str]:
@@ -124,15 +131,31 @@ def _worker_info(args: argparse.Namespace) -> WorkerInfo:
 
 
 async def _watch_health(endpoint, triton_grpc_url: str) -> None:
-    """Out of discovery while the model is not ready; back in when it is."""
-    listed = True
+    """Out of discovery while the model is not ready; back in when it is; start over
+    when discovery lost the registration."""
+    listed, client, missing_since = True, await endpoint.client(), None
     while True:
         await asyncio.sleep(CHECK_S)
         ready = await _model_ready(triton_grpc_url)
         if ready != listed:
             log.warning("model %s: %s discovery", "ready, back in" if ready else "not ready, out of", triton_grpc_url)
             await (endpoint.register_endpoint_instance() if ready else endpoint.unregister_endpoint_instance())
-            listed = ready
+            listed, missing_since = ready, None
+            continue
+        if not listed or endpoint.connection_id() in client.instance_ids():
+            missing_since = None
+        elif missing_since is None:
+            missing_since = time.monotonic()
+        elif time.monotonic() - missing_since > LOST_AFTER_S:
+            log.warning("worker %d left discovery while listed; starting over", endpoint.connection_id())
+            _restart_in_place()
+
+
+def _restart_in_place() -> None:
+    """This process becomes a fresh shim with the same arguments (and the same pid, so
+    whoever supervises it keeps its handle)."""
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, "-m", "launcher.dynamo_worker", *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -197,6 +197,32 @@ class TestAnInstanceDies:
         assert victim.grpc_url in by_instance, f"the restarted instance got no requests: {by_instance}"
 
 
+def test_a_worker_whose_discovery_keys_expired_registers_again(replicas):
+    """File discovery deletes keys not touched for 10 s (after a pause of the machine,
+    every worker's at once): the shim notices and registers again, and requests reach
+    its instance again."""
+    worker = replicas.workers[1]
+    found = re.search(r"worker (\d+): ", worker.process.log_path.read_text())
+    suffix = f"{int(found[1]):x}"
+    expired = [p for p in replicas.discovery.rglob("*") if p.is_file() and p.name.endswith(suffix)]
+    assert expired, f"no discovery key of worker {found[1]} under {replicas.discovery}"
+    for path in expired:
+        path.unlink()
+    instance = worker.triton.grpc_url
+    _wait_until(lambda: not _up(replicas).get(instance, True), 10, "the instance out of the rotation")
+    replicas.wait_in_rotation(REPLICAS, timeout_s=60)
+    assert worker.process.poll() is None, "the shim exited instead of registering again"
+    before = _routed(replicas)
+    with ThreadPoolExecutor(9) as pool:
+        list(pool.map(lambda seed: _complete(replicas, _unrelated(seed), max_tokens=4), range(8000, 8009)))
+    by_instance, _ = _delta(before, _routed(replicas))
+    assert instance in by_instance, f"the re-registered instance got no requests: {by_instance}"
+
+
+def _up(stack: ReplicaStack) -> dict[str, bool]:
+    return {m[1]: m[2] == "1" for m in _UP.finditer(httpx.get(stack.metrics_url, timeout=10).text)}
+
+
 def _in_flight(stack: ReplicaStack, instance: str) -> int:
     page = httpx.get(stack.metrics_url, timeout=10).text
     found = re.search(rf'^llm_router_instance_in_flight\{{instance="{re.escape(instance)}"\}} (\d+)', page, re.M)
