@@ -6,6 +6,7 @@ SYSTEM_PROMPTS distinct system prompts of several hundred tokens; each turn appe
 previous answer and a new user message. Conversations run CONCURRENCY at a time, each
 one's turns in order; greedy, MAX_TOKENS tokens, streamed with usage. No session_id or
 prompt_cache_key is sent: the frontend keys a session by the prompt's first tokens.
+Each instance gets KV_CACHE_MB (below) of KV cache: less than all the system prompts.
 
 - prefix-cache hit rate: sum of usage.prompt_tokens_details.cached_tokens over sum of
   usage.prompt_tokens, over all requests (goal: KV >= 2x round robin);
@@ -26,14 +27,25 @@ from dataclasses import dataclass, field
 
 import httpx
 
-SYSTEM_PROMPTS, CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS, SEED = 4, 16, 4, 4, 24, 7
+SYSTEM_PROMPTS, CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS, SEED = 8, 16, 4, 4, 24, 7
 PROMPT_WORDS = 440  # words of rules per system prompt (about 600 tokens)
 REPLICAS = 3
+# Each instance's KV pool: 128 MB is ~2,900 tokens of the default model in float32, room
+# for about 4 of the 8 system prompts next to the running conversations. Together the 3
+# instances hold all 8 when each keeps its own families (KV-aware routing); round robin
+# shows every family to every instance, so each one's cache cycles through all 8. A
+# cache that holds every family everywhere (--kv-cache-mb 1024) leaves round robin
+# missing only each instance's first sight of a prompt.
+KV_CACHE_MB = 128
 PERSONAS = [
     ("Nimbus Drive", "the customer support assistant of Nimbus Drive, a cloud storage service"),
     ("Harvest Table", "the cooking assistant of Harvest Table, a recipe and meal-planning site"),
     ("Wayfarer", "the travel planning assistant of Wayfarer, an online travel agency"),
     ("Linthouse", "the code review assistant of Linthouse, a developer tools company"),
+    ("Greenleaf Bank", "the banking assistant of Greenleaf Bank, a retail bank"),
+    ("Pulse Fitness", "the training assistant of Pulse Fitness, a gym chain with an app"),
+    ("Brightpath", "the tutoring assistant of Brightpath, an online school for teenagers"),
+    ("Homestead", "the home repair assistant of Homestead, a hardware store"),
 ]
 RULES = [
     "Always greet the user briefly and get to the point of their question about {topic}.",
@@ -164,19 +176,20 @@ def routed(metrics_url: str) -> dict[tuple[str, str], int]:
     return {(m[1], m[2]): int(float(m[3])) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
-def measure(model_path: str, mode: str, chats, concurrency: int, kv_cache_mb: int | None) -> ModeFigures:
+def measure(model_path: str, mode: str, chats, concurrency: int, kv_cache_mb: int) -> ModeFigures:
     from launcher.replica_stack import ReplicaStack
 
-    env = {"KV_CACHE_MB": str(kv_cache_mb)} if kv_cache_mb else None
+    env = {"KV_CACHE_MB": str(kv_cache_mb)}
     with ReplicaStack(model_path, replicas=REPLICAS, router_mode=mode, env=env) as stack:
         return asyncio.run(_drive(stack, chats, concurrency))
 
 
 def main(model_path: str, conversations: int = CONVERSATIONS, turns: int = TURNS, seed: int = SEED,
-         concurrency: int = CONCURRENCY, kv_cache_mb: int | None = None) -> dict[str, ModeFigures]:  # fmt: skip
+         concurrency: int = CONCURRENCY, kv_cache_mb: int = KV_CACHE_MB) -> dict[str, ModeFigures]:  # fmt: skip
     chats = workload(conversations, turns, seed)
     print(f"routing: {conversations} conversations x {turns} turns on {SYSTEM_PROMPTS} system prompts, "
-          f"{concurrency} at a time, over {REPLICAS} instances: KV-aware vs round robin ...", flush=True)  # fmt: skip
+          f"{concurrency} at a time, over {REPLICAS} instances (KV_CACHE_MB={kv_cache_mb} each): "
+          "KV-aware vs round robin ...", flush=True)  # fmt: skip
     figs = {mode: measure(model_path, mode, chats, concurrency, kv_cache_mb) for mode in ("kv", "round-robin")}
     print(f"{'mode':>12} {'requests':>9} {'hit rate':>9} {'TTFT ms':>8} {'p50 ms':>7}  per instance   reasons")
     for mode, f in figs.items():
@@ -199,7 +212,7 @@ if __name__ == "__main__":
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS)
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="conversations at a time")
-    parser.add_argument("--kv-cache-mb", type=int, help="each instance's KV_CACHE_MB (default: the engine's)")
+    parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB, help="each instance's KV_CACHE_MB")
     args = parser.parse_args()
     main(args.model or str(ensure_default_model()), args.conversations, args.turns, SEED, args.concurrency,
          args.kv_cache_mb)  # fmt: skip
