@@ -30,13 +30,14 @@ import httpx
 SYSTEM_PROMPTS, CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS, SEED = 8, 16, 4, 4, 24, 7
 PROMPT_WORDS = 440  # words of rules per system prompt (about 600 tokens)
 REPLICAS = 3
-# Each instance's KV pool: 128 MB is ~2,900 tokens of the default model in float32, room
-# for about 4 of the 8 system prompts next to the running conversations. Together the 3
+# Each instance's KV pool: 96 MB is ~2,100 tokens of the default model in float32, room
+# for about 3 of the 8 system prompts next to the running conversations. Together the 3
 # instances hold all 8 when each keeps its own families (KV-aware routing); round robin
-# shows every family to every instance, so each one's cache cycles through all 8. A
-# cache that holds every family everywhere (--kv-cache-mb 1024) leaves round robin
-# missing only each instance's first sight of a prompt.
-KV_CACHE_MB = 128
+# shows every family to every instance, so each one's cache cycles through all 8. The
+# ratio depends on this pressure (README "Speed of routing": 2.03x at 96 MB, 1.89x at
+# 128 MB); with caches that hold every family everywhere, round robin misses only each
+# instance's first sight of a prompt.
+KV_CACHE_MB = 96
 PERSONAS = [
     ("Nimbus Drive", "the customer support assistant of Nimbus Drive, a cloud storage service"),
     ("Harvest Table", "the cooking assistant of Harvest Table, a recipe and meal-planning site"),
