@@ -35,8 +35,8 @@ REPLICAS = 3
 # instances hold all 8 when each keeps its own families (KV-aware routing); round robin
 # shows every family to every instance, so each one's cache cycles through all 8. The
 # ratio depends on this pressure (README "Speed of routing": 2.03x and 1.88x in two runs
-# at 96 MB, 1.89x at 128 MB); with caches that hold every family everywhere, round robin misses only each
-# instance's first sight of a prompt.
+# at 96 MB, 1.89x at 128 MB); with caches that hold every family everywhere, round
+# robin misses only each instance's first sight of a prompt.
 KV_CACHE_MB = 96
 PERSONAS = [
     ("Nimbus Drive", "the customer support assistant of Nimbus Drive, a cloud storage service"),

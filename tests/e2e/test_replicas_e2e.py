@@ -234,9 +234,7 @@ def _watch_outage(stack: ReplicaStack, instance: str, killed: float) -> float:
     200 all along (two others are up)."""
     left = None
     while time.monotonic() < killed + 10:
-        page = httpx.get(stack.metrics_url, timeout=10).text
-        up = {m[1]: m[2] == "1" for m in _UP.finditer(page)}
-        if left is None and not up.get(instance, True):
+        if left is None and not _up(stack).get(instance, True):
             left = time.monotonic() - killed
         assert httpx.get(stack.frontend.url + "/health", timeout=10).status_code == 200
         if left is not None:
