@@ -9,14 +9,18 @@
   share of the 64 tokens before the first difference.
 
 `python -m bench.quality` prints them for QUANT=none, int8 and int4 (and any
-`--formats int4:64:sym,...`: kind:group[:sym]).
+`--formats int4:64:sym,...`: kind:group[:sym][:a8]; a8: QUANT_ACTIVATIONS=int8, measured
+with QUANT_GEMV_MAX_ROWS=512 so that the perplexity's 512-token chunks take the int8
+activations too, as a served decode step does).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,29 +128,48 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def measure(model_path: str, formats: list[tuple[str, int, bool]]) -> list[Quality]:
+def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list[Quality]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = tokenizer(HELDOUT.read_text()).input_ids
     prompts = chat_prompts(tokenizer)
     results, reference = [], None
-    for kind, group, symmetric in [("none", 32, False), *formats]:
-        model = load(model_path, kind, group, symmetric)
-        ppl, count = perplexity(model, ids)
-        del model
-        gc.collect()
-        tokens = greedy_tokens(model_path, kind, prompts, quant_group=group, quant_symmetric=symmetric)
+    for kind, group, symmetric, int8_activations in [("none", 32, False, False), *formats]:
+        with _activations(int8_activations):
+            model = load(model_path, kind, group, symmetric)
+            ppl, count = perplexity(model, ids)
+            del model
+            gc.collect()
+            tokens = greedy_tokens(model_path, kind, prompts, quant_group=group, quant_symmetric=symmetric)
         reference = reference or tokens
         same, share = agreement(reference, tokens)
-        results.append(Quality(_label(kind, group, symmetric), ppl, count, same, share))
+        results.append(Quality(_label(kind, group, symmetric, int8_activations), ppl, count, same, share))
     return results
 
 
-def _label(kind: str, group: int, symmetric: bool) -> str:
+@contextlib.contextmanager
+def _activations(int8: bool):
+    """QUANT_ACTIVATIONS=int8 on every row count (QUANT_GEMV_MAX_ROWS=512), or as set."""
+    from backend.runner.quant import kernels
+
+    saved = kernels.activations(), dict(kernels.GEMV_MAX_ROWS)
+    if int8:
+        os.environ["QUANT_ACTIVATIONS"] = "int8"
+        kernels.GEMV_MAX_ROWS["int4"] = N_CTX
+    kernels.activations.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ["QUANT_ACTIVATIONS"] = saved[0]
+        kernels.GEMV_MAX_ROWS.update(saved[1])
+        kernels.activations.cache_clear()
+
+
+def _label(kind: str, group: int, symmetric: bool, int8_activations: bool = False) -> str:
     if kind == "none":
         return "float32"
-    return f"{kind} g{group}" + (" sym" if symmetric else " asym")
+    return f"{kind} g{group}" + (" sym" if symmetric else " asym") + (" a8" if int8_activations else "")
 
 
 def report(results: list[Quality]) -> str:
@@ -162,15 +185,16 @@ def report(results: list[Quality]) -> str:
     return "\n".join(lines)
 
 
-def _format(text: str) -> tuple[str, int, bool]:
+def _format(text: str) -> tuple[str, int, bool, bool]:
     kind, group, *rest = text.split(":") + ["32"] * (text.count(":") == 0)
-    return kind, int(group), rest == ["sym"]
+    return kind, int(group), "sym" in rest, "a8" in rest
 
 
-def main(model_path: str | None = None, formats: list[tuple[str, int, bool]] | None = None) -> list[Quality]:
+def main(model_path: str | None = None, formats: list[tuple[str, int, bool, bool]] | None = None) -> list[Quality]:
     from backend.runner.convert import ensure_default_model
 
-    results = measure(model_path or str(ensure_default_model()), formats or [("int8", 32, True), ("int4", 32, False)])
+    formats = formats or [("int8", 32, True, False), ("int4", 32, False, False)]
+    results = measure(model_path or str(ensure_default_model()), formats)
     print(report(results))
     return results
 

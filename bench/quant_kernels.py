@@ -4,6 +4,8 @@ For each of the default model's linear shapes and row counts (1: one decode stre
 batched decode; 512: a prefill chunk), microseconds per call of:
 
 - ours: `quant_linear` (backend/runner/quant/kernels.py: the GEMV or the dequantize-then-GEMM);
+- ours int4 x int8: q8_kernels.cpp (QUANT_ACTIVATIONS=int8: activations rounded to int8 per
+  32, integer dot products), at every row count;
 - torch int8: `aten._weight_int8pack_mm` (int8 weights, one scale per output channel), with
   bf16 activations (float32 ones measured far slower);
 - torch int4: `aten._weight_int4pack_mm_for_cpu` on `_convert_weight_to_int4pack_for_cpu`'s
@@ -22,7 +24,7 @@ import time
 import torch
 
 from backend.runner.quant.formats import dequantize, quantize, unpack_int4
-from backend.runner.quant.kernels import quant_linear
+from backend.runner.quant.kernels import _cpu_flags, native, quant_linear
 
 SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
 ROWS = (1, 8, 32, 512)
@@ -54,9 +56,12 @@ def _candidates(w_list: list[torch.Tensor]):
     int8_channel = [torch.round(w / s).to(torch.int8) for w, s in zip(w_list, channel, strict=True)]
     t4 = [_torch_int4(w) for w in w_list]
     f32 = [w.t().contiguous() for w in w_list]
+    q8 = native().quant_matmul_q8 if native() is not None and "avx512_vnni" in _cpu_flags() else None
+    none = torch.empty(0)
     return {
         "ours int8": lambda x, i: quant_linear(x, int8[i]),
         "ours int4": lambda x, i: quant_linear(x, int4[i]),
+        **({"ours int4 x int8": lambda x, i: q8(x, int4[i].q, int4[i].scales, int4[i].mins, none)} if q8 else {}),
         "torch int8 (bf16 x)": lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x.bfloat16(), int8_channel[i], channel[i][:, 0].bfloat16()
         ),

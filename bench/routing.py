@@ -11,7 +11,9 @@ Each instance gets KV_CACHE_MB (below) of KV cache: less than all the system pro
 - prefix-cache hit rate: sum of usage.prompt_tokens_details.cached_tokens over sum of
   usage.prompt_tokens, over all requests (goal: KV >= 2x round robin);
 - time to first token: from sending to the first content delta, mean and p50 (goal: lower);
-- requests per instance, from the frontend's llm_router_requests_total.
+- requests per instance, from the frontend's llm_router_requests_total;
+- the ideal: the hit rate of one unbounded cache shared by all instances, from the same
+  prompts and answers tokenized here (ideal_hit_rate), the most any router could reach.
 
 Each stack first gets one short request per instance (warm-up, not counted).
 """
@@ -86,6 +88,7 @@ class ModeFigures:
     ttfts: list[float] = field(default_factory=list)  # seconds
     per_instance: list[int] = field(default_factory=list)  # requests routed, by instance name
     reasons: dict[str, int] = field(default_factory=dict)  # requests routed, by reason
+    sent: list[list[dict]] = field(default_factory=list)  # each request's messages and then its answer, in send order
 
     hit_rate = property(lambda self: self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0)
     ttft_mean = property(lambda self: statistics.fmean(self.ttfts))
@@ -121,11 +124,13 @@ def workload(conversations: int, turns: int, seed: int) -> list[tuple[str, list[
     return [(prompts[c % SYSTEM_PROMPTS], users[c]) for c in range(conversations)]
 
 
-async def _turn(client, model: str, messages: list[dict], fig: ModeFigures) -> str:
+async def _turn(client, model: str, messages: list[dict], fig: ModeFigures, max_tokens: int = MAX_TOKENS) -> str:
     """One streamed chat completion: its answer; its TTFT and usage go into `fig`."""
     start, first, text, usage = time.perf_counter(), None, [], None
+    record = [*messages]
+    fig.sent.append(record)
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     async for chunk in stream:
@@ -135,6 +140,7 @@ async def _turn(client, model: str, messages: list[dict], fig: ModeFigures) -> s
             if choice.delta.content:
                 first = first or time.perf_counter()
                 text.append(choice.delta.content)
+    record.append({"role": "assistant", "content": "".join(text)})
     fig.requests += 1
     fig.ttfts.append((first or time.perf_counter()) - start)
     fig.prompt_tokens += usage.prompt_tokens
@@ -143,15 +149,16 @@ async def _turn(client, model: str, messages: list[dict], fig: ModeFigures) -> s
     return "".join(text)
 
 
-async def _conversation(client, model: str, system: str, users: list[str], fig: ModeFigures, gate) -> None:
+async def _conversation(client, model: str, chat: tuple[str, list[str]], fig: ModeFigures, gate, max_tokens) -> None:
+    system, users = chat
     async with gate:
         messages = [{"role": "system", "content": system}]
         for user in users:
             messages.append({"role": "user", "content": user})
-            messages.append({"role": "assistant", "content": await _turn(client, model, messages, fig)})
+            messages.append({"role": "assistant", "content": await _turn(client, model, messages, fig, max_tokens)})
 
 
-async def _drive(stack, chats: list[tuple[str, list[str]]], concurrency: int) -> ModeFigures:
+async def _drive(stack, chats: list[tuple[str, list[str]]], concurrency: int, max_tokens: int) -> ModeFigures:
     from openai import AsyncOpenAI
 
     fig, gate, model = ModeFigures(), asyncio.Semaphore(concurrency), stack.served_model_name
@@ -159,7 +166,7 @@ async def _drive(stack, chats: list[tuple[str, list[str]]], concurrency: int) ->
         for i in range(REPLICAS):  # warm-up, one per instance (an idle set is walked in turn), not counted
             await _turn(client, model, [{"role": "user", "content": f"Say hello to number {i}."}], ModeFigures())
         before = routed(stack.metrics_url)
-        await asyncio.gather(*(_conversation(client, model, s, u, fig, gate) for s, u in chats))
+        await asyncio.gather(*(_conversation(client, model, chat, fig, gate, max_tokens) for chat in chats))
     after = routed(stack.metrics_url)
     counts = {key: n - before.get(key, 0) for key, n in after.items()}
     for name in sorted({name for name, _ in counts}):
@@ -170,6 +177,26 @@ async def _drive(stack, chats: list[tuple[str, list[str]]], concurrency: int) ->
     return fig
 
 
+def ideal_hit_rate(model_path: str, sent: list[list[dict]], block_size: int = 16) -> float:
+    """The hit rate of one unbounded prefix cache over `sent` (each request's messages, its
+    answer last) in send order: a prompt's full blocks count as cached up to the first one
+    that no earlier prompt-and-answer began with. Re-tokenized answers can differ from the
+    generated tokens, so this is an estimate."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    render = lambda messages, prompt: list(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=prompt, tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
+    seen, cached, total = set(), 0, 0
+    for record in sent:
+        prompt, whole = render(record[:-1], True), render(record, False)
+        blocks = [tuple(prompt[: (i + 1) * block_size]) for i in range(len(prompt) // block_size)]
+        hits = next((i for i, block in enumerate(blocks) if block not in seen), len(blocks))
+        cached, total = cached + hits * block_size, total + len(prompt)
+        seen.update(tuple(whole[: (i + 1) * block_size]) for i in range(len(whole) // block_size))
+    return cached / total if total else 0.0
+
+
 def routed(metrics_url: str) -> dict[tuple[str, str], int]:
     """llm_router_requests_total by (instance, reason)."""
     pattern = r'^llm_router_requests_total\{instance="([^"]*)",reason="([^"]*)"\} ([0-9.e+]+)$'
@@ -177,21 +204,24 @@ def routed(metrics_url: str) -> dict[tuple[str, str], int]:
     return {(m[1], m[2]): int(float(m[3])) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
-def measure(model_path: str, mode: str, chats, concurrency: int, kv_cache_mb: int) -> ModeFigures:
+def measure(model_path: str, mode: str, chats, concurrency: int, kv_cache_mb: int, max_tokens: int) -> ModeFigures:
     from launcher.replica_stack import ReplicaStack
 
     env = {"KV_CACHE_MB": str(kv_cache_mb)}
     with ReplicaStack(model_path, replicas=REPLICAS, router_mode=mode, env=env) as stack:
-        return asyncio.run(_drive(stack, chats, concurrency))
+        return asyncio.run(_drive(stack, chats, concurrency, max_tokens))
 
 
 def main(model_path: str, conversations: int = CONVERSATIONS, turns: int = TURNS, seed: int = SEED,
-         concurrency: int = CONCURRENCY, kv_cache_mb: int = KV_CACHE_MB) -> dict[str, ModeFigures]:  # fmt: skip
+         concurrency: int = CONCURRENCY, kv_cache_mb: int = KV_CACHE_MB,
+         max_tokens: int = MAX_TOKENS) -> dict[str, ModeFigures]:  # fmt: skip
     chats = workload(conversations, turns, seed)
     print(f"routing: {conversations} conversations x {turns} turns on {SYSTEM_PROMPTS} system prompts, "
-          f"{concurrency} at a time, over {REPLICAS} instances (KV_CACHE_MB={kv_cache_mb} each): "
+          f"{concurrency} at a time, {max_tokens} tokens a turn, over {REPLICAS} instances "
+          f"(KV_CACHE_MB={kv_cache_mb} each): "
           "KV-aware vs round robin ...", flush=True)  # fmt: skip
-    figs = {mode: measure(model_path, mode, chats, concurrency, kv_cache_mb) for mode in ("kv", "round-robin")}
+    modes = ("kv", "round-robin")
+    figs = {mode: measure(model_path, mode, chats, concurrency, kv_cache_mb, max_tokens) for mode in modes}
     print(f"{'mode':>12} {'requests':>9} {'hit rate':>9} {'TTFT ms':>8} {'p50 ms':>7}  per instance   reasons")
     for mode, f in figs.items():
         reasons = ", ".join(f"{r} {n}" for r, n in sorted(f.reasons.items()))
@@ -200,6 +230,7 @@ def main(model_path: str, conversations: int = CONVERSATIONS, turns: int = TURNS
     kv, rr = figs["kv"], figs["round-robin"]
     print(f"KV / round robin: hit rate {kv.hit_rate / rr.hit_rate if rr.hit_rate else float('inf'):.2f}x "
           f"(goal >= 2x), mean TTFT {kv.ttft_mean / rr.ttft_mean:.2f}x (goal < 1)")  # fmt: skip
+    print(f"ideal (one unbounded cache, the same prompts and answers): {ideal_hit_rate(model_path, kv.sent):.1%}")
     return figs
 
 
@@ -213,7 +244,8 @@ if __name__ == "__main__":
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS)
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="conversations at a time")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens a turn")
     parser.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB, help="each instance's KV_CACHE_MB")
     args = parser.parse_args()
     main(args.model or str(ensure_default_model()), args.conversations, args.turns, SEED, args.concurrency,
-         args.kv_cache_mb)  # fmt: skip
+         args.kv_cache_mb, args.max_tokens)  # fmt: skip

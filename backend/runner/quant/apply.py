@@ -19,7 +19,7 @@ import torch
 
 from backend.runner.quant.formats import KINDS, QuantizedWeight, quantize
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
-from backend.runner.quant.kernels import gemm_dtype, native
+from backend.runner.quant.kernels import activations, gemm_dtype, native
 
 LINEARS = ("qkv_t", "o_proj_t", "gate_up_t", "down_t")
 LM_HEAD_GROUP = 32
@@ -54,6 +54,9 @@ def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, 
 def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
     """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
     from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
+    if activations() == "int8" and (spec.kind, spec.group) != ("int4", 32):
+        raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 weights in groups of 32; QUANT is {spec.kind} "
+                         f"(groups of {spec.group})")  # fmt: skip
     if spec.kind == "none":
         return 0
     native()  # built (make setup) or built now, at load, rather than at the first request
@@ -76,7 +79,7 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
     model.lm_head_q = head
     source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
-    points = "symmetric" if spec.symmetric else "zero points"
+    points = ("symmetric" if spec.symmetric else "zero points") + f", {activations()} activations"
     read = weight_bytes(model) / 1e6
     print(
         f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr

@@ -8,7 +8,8 @@ A weight of a group is `scale * q + min` (symmetric formats have no min: `scale 
   in its low nibble and weight j + 16 in its high one (GGUF's Q4_1 layout, which is served as
   is; Q4_0 is the symmetric case, min = -8 * scale).
 
-`dequantize` is the reference every kernel is checked against (tests/backend/runner/quant).
+`dequantize` is the reference every kernel is checked against (tests/backend/runner/quant);
+`quantize_activations` is the reference of QUANT_ACTIVATIONS=int8's rounding of x.
 """
 
 from __future__ import annotations
@@ -105,3 +106,18 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     if weight.mins is not None:
         w = w + weight.mins[..., None]
     return w.reshape(out_features, in_features)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: float32 [M, K] -> (q int8 [M, K], d float32 [M, K / 32]): each block of 32 values
+    as d * q, d = max |x| / 127 of the block, q = round(x / d) (an all-zero block: d = 0, q = 0)."""
+    rows, width = x.shape
+    blocks = x.float().reshape(rows, width // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(rows, width), d
+
+
+def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    rows, width = q.shape
+    return (q.float().reshape(rows, width // BLOCK, BLOCK) * d[..., None]).reshape(rows, width)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.runner.quant.formats import QuantizedWeight, dequantize
+from backend.runner.quant.formats import BLOCK, QuantizedWeight, dequantize
 
 # Up to this many rows the GEMV kernel runs (it decodes each weight once per 8 rows); past it
 # the weights are dequantized whole and multiplied by a GEMM, which a prefill chunk amortizes:
@@ -28,10 +28,14 @@ GEMV_MAX_ROWS = {"int4": 48, "int8": 12}
 if os.environ.get("QUANT_GEMV_MAX_ROWS"):
     GEMV_MAX_ROWS = dict.fromkeys(GEMV_MAX_ROWS, int(os.environ["QUANT_GEMV_MAX_ROWS"]))
 GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+# QUANT_ACTIVATIONS=int8: int4 weights in groups of 32 meet activations rounded to int8 in
+# blocks of 32 (q8_kernels.cpp, AVX-512 VNNI), as llama.cpp's Q4_1 x Q8_1, on the GEMV path.
+ACTIVATIONS = ("float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-_SOURCE = Path(__file__).with_name("kernels.cpp")
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp")]
 
 
+@functools.cache
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -66,7 +70,7 @@ def _build(folder: Path):
 
     # -ffp-contract=off: the dequantization multiplies then adds, as the reference does
     cflags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
-    return load(name="tritonllm_quant", sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+    return load(name="tritonllm_quant", sources=_SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                 build_directory=str(folder), verbose=False)  # fmt: skip
 
 
@@ -85,6 +89,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     mins = _NONE if weight.mins is None else weight.mins
     if x.shape[0] <= GEMV_MAX_ROWS[weight.kind]:
         b = _NONE if bias is None else bias
+        if weight.kind == "int4" and weight.group == BLOCK and activations() == "int8":
+            return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, weight.mins, b)
         return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))
     bf16 = gemm_dtype() == torch.bfloat16
     w = lib.dequant(weight.q, weight.scales, mins, weight.group, _bits(weight), bf16, _scratch(weight, bf16))
@@ -114,6 +120,18 @@ def gemm_dtype() -> torch.dtype:
     if name not in GEMM_DTYPES:
         raise ValueError(f"QUANT_GEMM must be one of {', '.join(GEMM_DTYPES)}; got {name!r}")
     return GEMM_DTYPES[name]
+
+
+@functools.cache
+def activations() -> str:
+    """QUANT_ACTIVATIONS: what the GEMV multiplies int4 g32 weights by (ACTIVATIONS); read
+    once per process (a step calls it per layer)."""
+    name = os.environ.get("QUANT_ACTIVATIONS") or "float32"
+    if name not in ACTIVATIONS:
+        raise ValueError(f"QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
+    if name == "int8" and "avx512_vnni" not in _cpu_flags():
+        raise ValueError("QUANT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI")
+    return name
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

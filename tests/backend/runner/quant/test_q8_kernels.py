@@ -1,0 +1,85 @@
+"""QUANT_ACTIVATIONS=int8: int4 g32 weights times activations rounded to int8 per 32
+(q8_kernels.cpp) against its own reference, `quantize_activations` then `dequantize` and a
+float64 matmul; the rounding reference against hand-checked values; the setting's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.runner.quant import kernels
+from backend.runner.quant.apply import QuantSpec, quantize_model
+from backend.runner.quant.formats import dequantize, dequantize_activations, quantize, quantize_activations
+
+needs_vnni = pytest.mark.skipif(
+    kernels.native() is None or "avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU"
+)
+
+
+@pytest.fixture
+def int8_activations(monkeypatch):
+    monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
+    kernels.activations.cache_clear()
+    yield
+    monkeypatch.delenv("QUANT_ACTIVATIONS")
+    kernels.activations.cache_clear()
+
+
+def _reference(x: torch.Tensor, weight, bias) -> torch.Tensor:
+    xq = dequantize_activations(*quantize_activations(x))
+    y = xq.double() @ dequantize(weight).double().t()
+    return y if bias is None else y + bias.double()
+
+
+def test_activations_round_per_block_of_32():
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.54, 1.27, 32)
+    x[0, 5] = 0.0101  # 0.0101 / 0.02 = 0.505: rounds up to 1
+    q, d = quantize_activations(x)
+    assert d[0, 0].item() == pytest.approx(0.02) and q[0, 0].item() == -127 and q[0, 5].item() == 1
+    assert d[0, 1].item() == 0 and d[1].eq(0).all() and q[1].eq(0).all()  # all-zero blocks
+    assert q.abs().max().item() <= 127
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 48])
+@pytest.mark.parametrize("in_features", [96, 384, 576])  # 3, 12 and 18 blocks: tails of 3, 0 and 2
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_activation_kernel_matches_its_reference(int8_activations, rows, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 100 + in_features)
+    weight = quantize(torch.randn(203, in_features, generator=gen) * 0.05 + 0.01, "int4", 32, False)
+    x = torch.randn(rows, in_features, generator=gen)
+    x[0, :32] = 0  # an all-zero block
+    bias = torch.randn(203, generator=gen) if with_bias else None
+    got = kernels.quant_linear(x, weight, bias)
+    want = _reference(x, weight, bias)
+    assert got.shape == (rows, 203)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    # and it is the int8 path: float32 activations give other numbers
+    exact = x.double() @ dequantize(weight).double().t() + (0 if bias is None else bias.double())
+    assert (got.double() - exact).abs().max().item() > 1e-5
+
+
+@needs_vnni
+def test_past_the_gemv_rows_the_float_gemm_runs(int8_activations):
+    weight = quantize(torch.randn(64, 128) * 0.05, "int4", 32, False)
+    x = torch.randn(kernels.GEMV_MAX_ROWS["int4"] + 1, 128)
+    exact = x.double() @ dequantize(weight).double().t()
+    assert ((kernels.quant_linear(x, weight).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("QUANT_ACTIVATIONS", "int4")
+    kernels.activations.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="QUANT_ACTIVATIONS must be one of float32, int8"):
+            kernels.activations()
+        if "avx512_vnni" in kernels._cpu_flags():
+            monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
+            kernels.activations.cache_clear()
+            with pytest.raises(ValueError, match="needs int4 weights in groups of 32; QUANT is int8"):
+                quantize_model(torch.nn.Module(), QuantSpec("int8", 32))
+            with pytest.raises(ValueError, match="QUANT is int4 \\(groups of 64\\)"):
+                quantize_model(torch.nn.Module(), QuantSpec("int4", 64))
+    finally:
+        kernels.activations.cache_clear()
