@@ -156,7 +156,7 @@ def _activations(int8: bool):
     saved = kernels.activations(), dict(kernels.GEMV_MAX_ROWS)
     if int8:
         os.environ["QUANT_ACTIVATIONS"] = "int8"
-        kernels.GEMV_MAX_ROWS["int4"] = N_CTX
+        kernels.GEMV_MAX_ROWS.update(dict.fromkeys(kernels.GEMV_MAX_ROWS, N_CTX))
     kernels.activations.cache_clear()
     try:
         yield

@@ -54,8 +54,8 @@ def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, 
 def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
     """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
     from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
-    if activations() == "int8" and (spec.kind, spec.group) != ("int4", 32):
-        raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 weights in groups of 32; QUANT is {spec.kind} "
+    if activations() == "int8" and (spec.kind == "none" or spec.group != 32):
+        raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights in groups of 32; QUANT is {spec.kind} "
                          f"(groups of {spec.group})")  # fmt: skip
     if spec.kind == "none":
         return 0

@@ -28,8 +28,9 @@ GEMV_MAX_ROWS = {"int4": 48, "int8": 12}
 if os.environ.get("QUANT_GEMV_MAX_ROWS"):
     GEMV_MAX_ROWS = dict.fromkeys(GEMV_MAX_ROWS, int(os.environ["QUANT_GEMV_MAX_ROWS"]))
 GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
-# QUANT_ACTIVATIONS=int8: int4 weights in groups of 32 meet activations rounded to int8 in
-# blocks of 32 (q8_kernels.cpp, AVX-512 VNNI), as llama.cpp's Q4_1 x Q8_1, on the GEMV path.
+# QUANT_ACTIVATIONS=int8: int4 and int8 weights in groups of 32 meet activations rounded to
+# int8 in blocks of 32 (q8_kernels.cpp, AVX-512 VNNI), as llama.cpp's Q4_1 / Q8_0 x Q8_1, on
+# the GEMV path.
 ACTIVATIONS = ("float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp")]
@@ -89,8 +90,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     mins = _NONE if weight.mins is None else weight.mins
     if x.shape[0] <= GEMV_MAX_ROWS[weight.kind]:
         b = _NONE if bias is None else bias
-        if weight.kind == "int4" and weight.group == BLOCK and activations() == "int8":
-            return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, weight.mins, b)
+        if weight.group == BLOCK and activations() == "int8":
+            return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, mins, b)
         return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))
     bf16 = gemm_dtype() == torch.bfloat16
     w = lib.dequant(weight.q, weight.scales, mins, weight.group, _bits(weight), bf16, _scratch(weight, bf16))
@@ -124,7 +125,7 @@ def gemm_dtype() -> torch.dtype:
 
 @functools.cache
 def activations() -> str:
-    """QUANT_ACTIVATIONS: what the GEMV multiplies int4 g32 weights by (ACTIVATIONS); read
+    """QUANT_ACTIVATIONS: what the GEMV multiplies g32 weights by (ACTIVATIONS); read
     once per process (a step calls it per layer)."""
     name = os.environ.get("QUANT_ACTIVATIONS") or "float32"
     if name not in ACTIVATIONS:

@@ -1,4 +1,4 @@
-"""QUANT_ACTIVATIONS=int8: int4 g32 weights times activations rounded to int8 per 32
+"""QUANT_ACTIVATIONS=int8: int4 and int8 g32 weights times activations rounded to int8 per 32
 (q8_kernels.cpp) against its own reference, `quantize_activations` then `dequantize` and a
 float64 matmul; the rounding reference against hand-checked values; the setting's refusals."""
 
@@ -45,9 +45,12 @@ def test_activations_round_per_block_of_32():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 48])
 @pytest.mark.parametrize("in_features", [96, 384, 576])  # 3, 12 and 18 blocks: tails of 3, 0 and 2
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_activation_kernel_matches_its_reference(int8_activations, rows, in_features, with_bias):
+@pytest.mark.parametrize("kind, symmetric", [("int4", False), ("int8", False), ("int8", True)])
+def test_int8_activation_kernel_matches_its_reference(int8_activations, rows, in_features, with_bias, kind, symmetric):
+    if rows > kernels.GEMV_MAX_ROWS[kind]:
+        pytest.skip("past the GEMV's rows: the float GEMM (below)")
     gen = torch.Generator().manual_seed(rows * 100 + in_features)
-    weight = quantize(torch.randn(203, in_features, generator=gen) * 0.05 + 0.01, "int4", 32, False)
+    weight = quantize(torch.randn(203, in_features, generator=gen) * 0.05 + 0.01, kind, 32, symmetric)
     x = torch.randn(rows, in_features, generator=gen)
     x[0, :32] = 0  # an all-zero block
     bias = torch.randn(203, generator=gen) if with_bias else None
@@ -77,8 +80,10 @@ def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
         if "avx512_vnni" in kernels._cpu_flags():
             monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
             kernels.activations.cache_clear()
-            with pytest.raises(ValueError, match="needs int4 weights in groups of 32; QUANT is int8"):
-                quantize_model(torch.nn.Module(), QuantSpec("int8", 32))
+            with pytest.raises(ValueError, match="needs int4 or int8 weights in groups of 32; QUANT is none"):
+                quantize_model(torch.nn.Module(), QuantSpec("none", 32))
+            with pytest.raises(ValueError, match="QUANT is int8 \\(groups of 128\\)"):
+                quantize_model(torch.nn.Module(), QuantSpec("int8", 128))
             with pytest.raises(ValueError, match="QUANT is int4 \\(groups of 64\\)"):
                 quantize_model(torch.nn.Module(), QuantSpec("int4", 64))
     finally:
