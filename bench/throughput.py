@@ -196,7 +196,6 @@ def _prefill_lines(fig: Figures) -> list[str]:
 
 
 def report(fig: Figures, concurrency: list[int]) -> str:
-    f32 = fig.formats["none"]
     width = 9 * len(concurrency)
     streams = "".join(f"{f'{n} str':>9}" for n in concurrency)
     lines = [
@@ -217,14 +216,15 @@ def report(fig: Figures, concurrency: list[int]) -> str:
             _row("llama.cpp Q4_1 (server)", fig.llama_bytes, bound, [0] * len(concurrency), rates, fig.llama.ttft_2k)
         )
     top = max(concurrency)
-    one_vs_hf = _streams_rate(f32.http, 1) / fig.hf_single
-    lines += [
-        "",
-        "1 stream = decode rate after the first token; N streams = aggregate, prefill included",
-        f"float32, one stream through HTTP / transformers: {one_vs_hf:.2f}x (target >= 1.2x)",
-        f"float32, HTTP / in-process at {top} streams: {_streams_rate(f32.http, top) / f32.engine.get(top, 1):.0%}"
-        " (target >= 85%)",
-    ]
+    lines += ["", "1 stream = decode rate after the first token; N streams = aggregate, prefill included"]
+    f32 = fig.formats.get("none")  # absent when --formats leaves float32 out
+    if f32 is not None:
+        one_vs_hf = _streams_rate(f32.http, 1) / fig.hf_single
+        lines += [
+            f"float32, one stream through HTTP / transformers: {one_vs_hf:.2f}x (target >= 1.2x)",
+            f"float32, HTTP / in-process at {top} streams: {_streams_rate(f32.http, top) / f32.engine.get(top, 1):.0%}"
+            " (target >= 85%)",
+        ]
     for quant, ff in fig.formats.items():
         share = _streams_rate(ff.http, 1) / fig.bound(ff.weight_bytes)
         lines.append(f"{_name(quant)}: one stream (HTTP) / bandwidth bound: {share:.0%}")
@@ -286,10 +286,10 @@ def main(argv: list[str] | None = None) -> None:
         print("llama.cpp's llama-server on the Q4_1 GGUF ...", flush=True)
         fig.llama = llamacpp.main(str(gguf_path()), prompts, prompts_2k, args.tokens)
         fig.llama_bytes = gguf_bytes(gguf_path())
-    print()
-    print(report(fig, concurrency))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(asdict(fig), indent=2))
+    print()
+    print(report(fig, concurrency))
     if args.only_throughput:
         return
     print()
