@@ -11,7 +11,8 @@
 `python -m bench.quality` prints them for QUANT=none, int8 and int4 (and any
 `--formats int4:64:sym,...`: kind:group[:sym][:a8]; a8: QUANT_ACTIVATIONS=int8, measured
 with QUANT_GEMV_MAX_ROWS=512 so that the perplexity's 512-token chunks take the int8
-activations too, as a served decode step does).
+activations too, as a served decode step does; the lm_head's logits over a chunk stay
+float32, past LM_HEAD_GEMV_ROWS).
 """
 
 from __future__ import annotations

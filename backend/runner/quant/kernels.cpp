@@ -337,7 +337,7 @@ torch::Tensor quant_matmul_q8(torch::Tensor x, torch::Tensor q, torch::Tensor sc
                               torch::Tensor bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_matmul_q8", &quant_matmul_q8, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 g32");
+  m.def("quant_matmul_q8", &quant_matmul_q8, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
   m.def("quant_matmul", &quant_matmul, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, "dequant(W) [N, K], float32 or bf16");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [T, H]");
