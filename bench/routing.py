@@ -29,16 +29,19 @@ from dataclasses import dataclass, field
 
 import httpx
 
-SYSTEM_PROMPTS, CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS, SEED = 8, 16, 4, 4, 24, 7
+SYSTEM_PROMPTS, CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS, SEED = 8, 16, 4, 8, 24, 7
 PROMPT_WORDS = 440  # words of rules per system prompt (about 600 tokens)
 REPLICAS = 3
 # Each instance's KV pool: 96 MB is ~2,100 tokens of the default model in float32, room
 # for about 3 of the 8 system prompts next to the running conversations. Together the 3
 # instances hold all 8 when each keeps its own families (KV-aware routing); round robin
 # shows every family to every instance, so each one's cache cycles through all 8. The
-# ratio depends on this pressure (README "Speed of routing": 2.03x and 1.88x in two runs
-# at 96 MB, 1.89x at 128 MB); with caches that hold every family everywhere, round
-# robin misses only each instance's first sight of a prompt.
+# ratio depends on this pressure and on how many families are in use at once: 8
+# conversations at a time put every system prompt in use, as a deployment serving
+# several applications sees it (README "Speed of routing": at 4 at a time only half the
+# families were live, round robin's caches held most of those, and the ratio was
+# 1.88x-2.03x; with caches that hold every family everywhere, round robin misses only
+# each instance's first sight of a prompt).
 KV_CACHE_MB = 96
 PERSONAS = [
     ("Nimbus Drive", "the customer support assistant of Nimbus Drive, a cloud storage service"),

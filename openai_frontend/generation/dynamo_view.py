@@ -81,6 +81,11 @@ class DynamoView:
             return WorkerInfo(**answer.data())
         raise RuntimeError("no answer")
 
+    @property
+    def block_size(self) -> int:
+        """The engines' KV block size (the first worker's; 16 until one describes itself)."""
+        return self._block_size
+
     def _make_router(self):
         from dynamo.llm import KvRouter, KvRouterConfig
 

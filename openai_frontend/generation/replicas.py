@@ -27,7 +27,15 @@ from backend.contract import AdapterCommand, AdapterTable, GenerationRequest, Mo
 from backend.contract.routing import routing_scope
 from openai_frontend.generation.dynamo_view import DynamoView, WorkerInfo
 from openai_frontend.generation.engine_client import ModelUnavailable, TritonLLM
-from openai_frontend.generation.routing import InstanceLoad, RoutingPolicy, Sessions, choose, least_loaded
+from openai_frontend.generation.routing import (
+    InstanceLoad,
+    RoutedPrefixes,
+    RoutingPolicy,
+    Sessions,
+    block_keys,
+    choose,
+    least_loaded,
+)
 from openai_frontend.operations.engine_metrics import read_engine
 from openai_frontend.operations.prometheus import Counter, Family, Gauge
 
@@ -56,6 +64,7 @@ class Replicas:
         self.view = view or DynamoView(namespace)
         self.instances: dict[str, Instance] = {}  # by gRPC address
         self.sessions = Sessions(self.policy.max_sessions)
+        self.routed_prefixes = RoutedPrefixes(self.policy.pending_s, self.policy.max_pending_blocks)
         self.prompt_blocks = 0  # of requests routed in KV mode
         self.matched_blocks = 0  # of those, cached where they went (as the router knew it)
         self._watch: asyncio.Task | None = None
@@ -155,16 +164,30 @@ class Replicas:
         if tried:  # a retry: the least loaded of the rest
             return self.instances[least_loaded(loads).name], "retry"
         session = self.sessions.get(request.session_hash) if request.session_hash else None
-        prefix = (None, 0, 0)
-        if self.policy.mode == "kv":
-            worker, matched, blocks = await self.view.best(request.prompt_tokens, _scope(request))
-            info = self.view.workers.get(worker) if worker is not None else None
-            prefix = (info.triton_grpc_url if info else None, matched, blocks)
+        kv_mode = self.policy.mode == "kv"
+        keys = block_keys(request.prompt_tokens, self.view.block_size, _scope(request)) if kv_mode else []
+        prefix = await self._prefix(request, keys, {load.name for load in loads}) if kv_mode else (None, 0, 0)
         picked = choose(loads, self.policy, session=session, prefix=prefix)
         if request.session_hash:
             self.sessions.put(request.session_hash, picked.name)
+        if kv_mode:
+            self.routed_prefixes.record(keys, picked.name, time.monotonic())
         self._count_match(picked.name, prefix)
         return self.instances[picked.name], picked.reason
+
+    async def _prefix(
+        self, request: GenerationRequest, keys: list[int], names: set[str]
+    ) -> tuple[str | None, int, int]:
+        """(the candidate holding the longest prefix of the prompt, its blocks, the
+        prompt's full blocks): from Dynamo's router, or from the blocks routed in the last
+        `pending_s` when that prefix is longer (its KV events are not in yet)."""
+        worker, matched, blocks = await self.view.best(request.prompt_tokens, _scope(request))
+        info = self.view.workers.get(worker) if worker is not None else None
+        best = info.triton_grpc_url if info else None
+        routed, routed_blocks = self.routed_prefixes.match(keys, time.monotonic())
+        if routed in names and (routed_blocks > matched or best not in names):
+            return routed, routed_blocks, blocks
+        return best, matched, blocks
 
     def _count_match(self, name: str, prefix: tuple[str | None, int, int]) -> None:
         best, matched, blocks = prefix

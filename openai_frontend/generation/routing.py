@@ -8,7 +8,10 @@ In KV mode, in order:
 2. The prefix: Dynamo's KV-aware router knows, from the engines' KV events, which
    instance holds most of the prompt's blocks; a match of more than `affinity` of them
    goes there, unless that instance is overloaded (a prompt that shares only a chat
-   template's first block with others is routed by load).
+   template's first block with others is routed by load). The events come only after a
+   prefill, so the frontend also remembers, for `pending_s`, the blocks it routed where
+   (RoutedPrefixes): a burst of requests on a prefix no engine has cached yet follows
+   the first of them instead of spreading by load. The longer of the two matches wins.
 3. The load: the instance with the fewest requests in flight (ties: the fewest routed
    so far, so an idle set of instances is walked in turn).
 
@@ -37,6 +40,8 @@ class RoutingPolicy:
     load_slack: int = 8  # in flight above 2 x the least loaded's that makes an instance overloaded
     down_s: float = 2.0  # out of rotation this long after it failed a request or a health check
     max_sessions: int = 65536  # sessions remembered, the least recently used forgotten first
+    pending_s: float = 15.0  # how long a routed prompt's blocks count as cached where they went
+    max_pending_blocks: int = 65536  # routed blocks remembered, the oldest forgotten first
 
 
 @dataclass(slots=True)
@@ -76,6 +81,51 @@ class Sessions:
         self._where.move_to_end(session)
         while len(self._where) > self.limit:
             self._where.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def block_keys(tokens: list[int], block_size: int, scope: str | None) -> list[int]:
+    """One key per full block of `tokens`, chained: block i's key stands for the scope
+    and every token up to the end of block i (Python's hash, local to this process)."""
+    key, keys = hash(scope), []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = hash((key, *tokens[start : start + block_size]))
+        keys.append(key)
+    return keys
+
+
+class RoutedPrefixes:
+    """The prompt blocks routed to each instance in the last `ttl_s` (block key ->
+    instance -> until when), bounded to `limit` keys: what Dynamo's router cannot know
+    until the engine's KV events arrive. SGLang's router keeps such a tree of routed
+    text for good; here it only bridges the time to the events."""
+
+    def __init__(self, ttl_s: float, limit: int):
+        self.ttl_s, self.limit = ttl_s, limit
+        self._where: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def record(self, keys: list[int], name: str, now: float) -> None:
+        for key in keys:
+            self._where.setdefault(key, {})[name] = now + self.ttl_s
+            self._where.move_to_end(key)
+        while len(self._where) > self.limit:
+            self._where.popitem(last=False)
+
+    def match(self, keys: list[int], now: float) -> tuple[str | None, int]:
+        """(an instance that was routed the longest prefix of `keys`, its blocks): the
+        instances that got every block so far, walked until none is left; of the last
+        ones, the most recently routed."""
+        holders: dict[str, float] = {}
+        for depth, key in enumerate(keys):
+            here = {name: until for name, until in self._where.get(key, {}).items() if until > now}
+            if depth:
+                here = {name: until for name, until in here.items() if name in holders}
+            if not here:
+                return (max(holders, key=holders.get) if holders else None), depth
+            holders = here
+        return (max(holders, key=holders.get) if holders else None), len(keys)
 
     def __len__(self) -> int:
         return len(self._where)

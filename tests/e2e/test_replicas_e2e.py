@@ -117,6 +117,18 @@ def test_prefix_families_land_where_their_prefix_is_cached(replicas):
         assert sum(1 for c in cached if c >= 0.8 * first.usage.prompt_tokens) >= 8, cached
 
 
+def test_a_burst_on_a_new_prefix_lands_where_its_first_request_went(replicas):
+    """6 questions under a system prompt no instance has seen, sent at once: no engine
+    has published its blocks yet, but the router remembers where it sent the first."""
+    system = {"role": "system", "content": _system_prompt(7)}
+    before = _routed(replicas)
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda q: _chat(replicas, [system, {"role": "user", "content": f"Burst {q}: hi?"}]), range(6)))
+    by_instance, by_reason = _delta(before, _routed(replicas))
+    assert max(by_instance.values()) == 6, by_instance
+    assert by_reason["kv"] == 5 and by_reason["load"] == 1, by_reason
+
+
 @pytest.mark.parametrize("field", ["session_id", "prompt_cache_key"])
 def test_a_named_session_stays_on_one_instance(replicas, field):
     """Turns that share no prefix (random token prompts) but one session name stay on

@@ -12,8 +12,10 @@ from backend.contract.routing import SESSION_TOKENS, routing_scope, session_hash
 from openai_frontend.generation.routing import (
     Choice,
     InstanceLoad,
+    RoutedPrefixes,
     RoutingPolicy,
     Sessions,
+    block_keys,
     choose,
     least_loaded,
     least_routed,
@@ -100,6 +102,51 @@ def test_a_prefix_holder_absent_or_overloaded_falls_to_load():
     assert choose(candidates, KV, prefix=("a", 10, 10)) == Choice("b", "load")
     candidates[0].in_flight = 8
     assert choose(candidates, KV, prefix=("a", 10, 10)) == Choice("a", "kv")
+
+
+# -- routed prefixes (the blocks routed before their KV events arrive) ------------------
+
+
+def test_block_keys_chain_every_full_block_and_the_scope():
+    tokens = list(range(40))
+    keys = block_keys(tokens, 16, None)
+    assert len(keys) == 2 and keys == block_keys(tokens[:32], 16, None)  # the tail of 8 is no block
+    assert block_keys(tokens[:16], 16, None) == keys[:1]
+    changed = block_keys([99, *tokens[1:]], 16, None)
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # a change in block 0 changes every later key
+    late = block_keys([*tokens[:20], 99, *tokens[21:]], 16, None)
+    assert late[0] == keys[0] and late[1] != keys[1]
+    tenant = block_keys(tokens, 16, "tenant")
+    assert tenant != keys and block_keys(tokens, 16, "other") != tenant
+    assert block_keys(tokens[:15], 16, None) == []
+
+
+def test_routed_prefixes_match_the_longest_prefix_routed_to_one_instance():
+    routed = RoutedPrefixes(ttl_s=10, limit=100)
+    family = block_keys(list(range(160)), 16, None)  # 10 blocks
+    assert routed.match(family, now=0) == (None, 0)
+    routed.record(family[:6], "a", now=0)
+    assert routed.match(family, now=1) == ("a", 6)
+    assert routed.match(family[:3], now=1) == ("a", 3)
+    routed.record(family[:2], "b", now=2)  # another prompt shares only the first 2 blocks with it
+    assert routed.match(family, now=3) == ("a", 6)
+    assert routed.match(family[:2], now=3) == ("b", 2)  # both got them: the most recent wins
+    other = block_keys([5, *range(1, 160)], 16, None)
+    assert routed.match(other, now=3) == (None, 0)
+
+
+def test_routed_prefixes_expire_and_stay_bounded():
+    routed = RoutedPrefixes(ttl_s=10, limit=8)
+    keys = block_keys(list(range(160)), 16, None)
+    routed.record(keys[:6], "a", now=0)
+    assert routed.match(keys, now=9.9) == ("a", 6)
+    assert routed.match(keys, now=10) == (None, 0)
+    routed.record(keys[:3], "a", now=10)  # routed again: refreshed for the blocks it sent
+    assert routed.match(keys, now=15) == ("a", 3)
+    routed.record(keys, "b", now=16)  # 10 keys over a limit of 8: the oldest go
+    assert len(routed) == 8
+    assert routed.match(keys, now=17) == (None, 0)  # block 0 forgotten: nothing matches from the start
+    assert routed.match(keys[2:], now=17) == ("b", 8)
 
 
 # -- load -----------------------------------------------------------------------------
