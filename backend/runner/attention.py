@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.quant.kernels import decode_attention
+from backend.runner.quant.kernels import decode_attention, paged_decode_attention
 
 
 @dataclass(slots=True)
@@ -50,6 +50,12 @@ class DecodeRows:
     # one sequence whose context is one run of slots (its blocks consecutive): the first
     # slot and the length, so the layers read a view of the cache instead of a gather
     run: tuple[int, int] | None = None
+    # a decode's (query_len 1) block tables [Bd, max_blocks] and context lengths [Bd] int64,
+    # which our paged kernel reads the cache through in place; None: no decode group
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    block_size: int = 0
+    window: int | None = None
 
 
 @dataclass(slots=True)
@@ -118,7 +124,8 @@ def _decode_rows(
     max_len = max(ctx)
     slots = _context_slots(tables, max_len, block_size).reshape(-1)
     if query_len == 1 and min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
-        return DecodeRows(token_rows, 1, slots, None, _slot_run(tables, max_len, block_size))  # every key seen
+        run = _slot_run(tables, max_len, block_size)  # every key seen
+        return DecodeRows(token_rows, 1, slots, None, run, *_paged(tables, ctx, block_size, sliding_window))
     # Query t of a sequence sits at position ctx - query_len + t: it sees the keys up to
     # there (and, with a sliding window, only the last `sliding_window` of them). An
     # additive mask measured faster than a boolean one in SDPA's CPU kernel.
@@ -130,7 +137,13 @@ def _decode_rows(
     mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
     if query_len > 1:  # one mask row per (query token, query head of the group), in that order
         mask = mask.repeat_interleave(query_group, dim=1)
-    return DecodeRows(token_rows, query_len, slots, mask[:, None, :, :])
+        return DecodeRows(token_rows, query_len, slots, mask[:, None, :, :])
+    return DecodeRows(token_rows, 1, slots, mask[:, None, :, :], None, *_paged(tables, ctx, block_size, sliding_window))
+
+
+def _paged(tables: torch.Tensor, ctx: list[int], block_size: int, window: int | None) -> tuple:
+    """DecodeRows' fields for the paged kernel: (tables, lens, block_size, window)."""
+    return tables.contiguous(), torch.tensor(ctx, dtype=torch.int64, device=tables.device), block_size, window
 
 
 def _slot_run(tables: torch.Tensor, length: int, block_size: int) -> tuple[int, int] | None:
@@ -206,6 +219,12 @@ def _decode_attention(q: torch.Tensor, kv: PagedKv, rows: DecodeRows, scale: flo
         out = decode_attention(q[0], kv.keys[first : first + length], kv.values[first : first + length], scale)
         if out is not None:
             return out[None]
+    if rows.tables is not None:  # a decode of several streams: the paged kernel, when it runs here
+        out = paged_decode_attention(
+            q, (kv.keys, kv.values), rows.tables, rows.lens, rows.block_size, scale, rows.window
+        )
+        if out is not None:
+            return out
     num_kv_heads, head_dim = kv.keys.shape[1], kv.keys.shape[2]
     n, num_heads = rows.query_len, q.shape[1]
     num_seqs, group = q.shape[0] // n, num_heads // num_kv_heads

@@ -332,6 +332,146 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   return out;
 }
 
+// exp(x) for x <= 0 (scores less their maximum), 16 at a time: Cephes' expf, e^x = 2^n e^r
+// with |r| <= ln2 / 2 and a degree-6 polynomial for e^r; relative error ~1e-7. Below -87
+// the result is 0 (as the float exp's is, near enough).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores[0..L) <- exp(scores - max), returning their sum.
+inline float softmax_numerators(float* scores, int64_t L) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + l));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (L - l)) - 1);
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, scores + l));
+  const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (l = 0; l + 16 <= L; l += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + l), most));
+    _mm512_storeu_ps(scores + l, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l), most));
+  _mm512_mask_storeu_ps(scores + l, tail, e);
+  total = _mm512_mask_add_ps(total, tail, total, e);
+  return _mm512_reduce_add_ps(total);
+}
+
+// One (sequence, KV head) of paged_decode_attention: its G query heads over positions
+// first .. first + L - 1, found through `table`. DV: head_dim / 16; GT query heads share
+// each loaded value row, their DV * GT accumulators in registers.
+template <int DV, int GT>
+void attend_one(const float* qg, float* og, const float* kp, const float* vp, const int64_t* table,
+                int64_t block_size, int64_t first, int64_t L, int64_t G, int64_t KV, int64_t kvh, float scale,
+                float* scores) {
+  constexpr int64_t D = DV * 16;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t pos = first + l, slot = table[pos / block_size] * block_size + pos % block_size;
+    const float* kl = kp + (slot * KV + kvh) * D;
+    __m512 k[DV];
+    for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(kl + d * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg + g * D), k[0]);
+      for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * D + d * 16), k[d], acc);
+      scores[g * L + l] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const int64_t gn = std::min<int64_t>(GT, G - g0);
+    __m512 acc[GT][DV];
+    float inv[GT];
+    for (int g = 0; g < GT; ++g) {
+      inv[g] = g < gn ? 1.f / softmax_numerators(scores + (g0 + g) * L, L) : 0.f;
+      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t pos = first + l, slot = table[pos / block_size] * block_size + pos % block_size;
+      const float* vl = vp + (slot * KV + kvh) * D;
+      __m512 v[DV];
+      for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vl + d * 16);
+      for (int g = 0; g < GT; ++g) {
+        if (g < gn) {
+          const __m512 w = _mm512_set1_ps(scores[(g0 + g) * L + l]);
+          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+        }
+      }
+    }
+    for (int g = 0; g < gn; ++g) {
+      for (int d = 0; d < DV; ++d) {
+        _mm512_storeu_ps(og + (g0 + g) * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv[g])));
+      }
+    }
+  }
+}
+
+// One query token for each of B sequences against its cached keys / values, read in place
+// through its block table: no gather into a padded copy, no mask, no work past a
+// sequence's own length. q: [B, H, D]; keys, values: [num_slots, KV, D] (a layer's flat
+// slot views); block_tables: [B, max_blocks] int64; context_lens: [B] int64; `window` > 0
+// keeps each query's last `window` positions (a sliding window). One task per (sequence,
+// KV head). head_dim 32, 64 or 128. -> [B, H, D] float32.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [B, H, D]; keys [S, KV, D]");
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous operands");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32 &&
+                  values.scalar_type() == torch::kFloat32, "float32");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64, "int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1), G = H / KV;
+  TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && keys.size(2) == D,
+              "head_dim 32, 64 or 128; H a multiple of KV");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B, "one row a sequence");
+  auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t max_blocks = tables.size(1), num_slots = keys.size(0);
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * block_size, "context length outside its block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = tp[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "a block table points outside the cache");
+    }
+  }
+  torch::Tensor out = torch::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scl = static_cast<float>(scale);
+  auto tasks = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KV, kvh = task % KV, length = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, L = length - first;
+      const int64_t* table = tp + b * max_blocks;
+      const float* qg = qp + (b * H + kvh * G) * D;  // the G query heads of this KV head
+      float* og = op + (b * H + kvh * G) * D;
+      scores.resize(static_cast<size_t>(G * L));
+      if (D == 32) attend_one<2, 8>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
+      if (D == 64) attend_one<4, 4>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
+      if (D == 128) attend_one<8, 2>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
+    }
+  };
+  if (B * KV < 4) {
+    tasks(0, B * KV);
+  } else {
+    at::parallel_for(0, B * KV, 1, tasks);
+  }
+  return out;
+}
+
 // q8_kernels.cpp
 torch::Tensor quant_matmul_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins,
                               torch::Tensor bias);
@@ -342,4 +482,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, "dequant(W) [N, K], float32 or bf16");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [T, H]");
   m.def("decode_attention", &decode_attention, "one query token's attention over consecutive cached keys");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per sequence, attending over its cached keys through its block table");
 }

@@ -154,6 +154,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return None if lib is None else lib.decode_attention(q, keys, values, scale)
 
 
+def paged_decode_attention(
+    q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, lens: torch.Tensor,
+    block_size: int, scale: float, window: int | None,
+) -> torch.Tensor | None:  # fmt: skip
+    """One query token per sequence, q [B, H, D], over its cached keys / values, kv: the
+    layer's flat slot views [num_slots, KV, D] each, read through `tables` [B, max_blocks]
+    up to `lens` [B] (the last `window` positions, with a sliding window): [B, H, D]; None
+    where our kernel cannot run (the caller then gathers the contexts for SDPA)."""
+    keys, values = kv
+    usable = q.is_cpu and q.dtype == torch.float32 == keys.dtype and q.shape[-1] in (32, 64, 128)
+    lib = native() if usable and keys.is_contiguous() and values.is_contiguous() else None
+    if lib is None:
+        return None
+    return lib.paged_decode_attention(q.contiguous(), keys, values, tables, lens, block_size, scale, window or 0)
+
+
 def main() -> None:
     lib = native()
     print(f"quantized kernels: {'built in ' + str(build_directory()) if lib else 'not used (no AVX-512 here)'}")
