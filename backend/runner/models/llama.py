@@ -28,9 +28,12 @@ if TYPE_CHECKING:
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
-# Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs;
-# past it the float32 table's matmul measured faster (49152 x 576, 2 cores: 8 rows 0.8x, 16 rows 1.2x).
-LM_HEAD_GEMV_ROWS = 12
+# Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs,
+# past it the float32 table's matmul (a prefill's prompt logprobs). 49152 x 576 on 2 cores, ms
+# per call, GEMV against the float32 mm: 8 rows 3.3 / 13.1, 16 rows 8.0 / 15.9, 32 rows 15.4 /
+# 26.8, 48 rows 22.3 / 29.4 (quant_linear's int8 limit of 12 rows is for the decoder's shapes,
+# where the other path is a dequantize then a GEMM).
+LM_HEAD_GEMV_ROWS = 48
 
 
 @dataclass(slots=True)
@@ -227,7 +230,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         if self.lm_head_q is not None and hidden.shape[0] <= LM_HEAD_GEMV_ROWS:
-            return linear(hidden, self.lm_head_q).float()
+            return quant_linear(hidden, self.lm_head_q, gemv_rows=LM_HEAD_GEMV_ROWS).float()
         return linear(hidden, self.lm_head_t).float()
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> Rope:

@@ -82,13 +82,16 @@ def _bits(weight: QuantizedWeight) -> int:
 _NONE = torch.empty(0)  # what the kernels take for an absent mins / bias tensor
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype."""
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, gemv_rows: int | None = None
+) -> torch.Tensor:
+    """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype. Up to `gemv_rows`
+    rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs."""
     lib = native() if x.is_cpu and x.dtype == torch.float32 else None
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
     mins = _NONE if weight.mins is None else weight.mins
-    if x.shape[0] <= GEMV_MAX_ROWS[weight.kind]:
+    if x.shape[0] <= (gemv_rows or GEMV_MAX_ROWS[weight.kind]):
         b = _NONE if bias is None else bias
         if weight.group == BLOCK and activations() == "int8":
             return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, mins, b)

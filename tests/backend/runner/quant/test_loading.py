@@ -99,3 +99,19 @@ def test_our_tensor_table_reads_what_the_gguf_package_reads(model_path):
     for tensor in ours:
         assert tensor.type_name == theirs[tensor.name].tensor_type.name
         assert np.array_equal(tensor.data, np.asarray(theirs[tensor.name].data)), tensor.name
+
+
+@pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
+def test_logits_come_from_the_int8_lm_head_up_to_its_gemv_rows_and_from_the_float_table_past_them(model_path):
+    from backend.runner.models.llama import LM_HEAD_GEMV_ROWS
+
+    model = load_model(model_path, torch.float32, CPU)
+    quantize_model(model, QuantSpec("int4"), source_gguf(model_path))
+    int8_table = dequantize(model.lm_head_q).double()  # [vocab, hidden]
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 13, LM_HEAD_GEMV_ROWS, LM_HEAD_GEMV_ROWS + 1):
+        hidden = torch.randn(rows, model.config.hidden_size, generator=gen)
+        logits = model.compute_logits(hidden)
+        table = int8_table if rows <= LM_HEAD_GEMV_ROWS else model.lm_head_t.t().double()
+        want = hidden.double() @ table.t()
+        assert float((logits.double() - want).abs().max() / want.abs().max()) < 1e-5, rows
