@@ -42,7 +42,7 @@ num ::= [0-9] | [1-9] [0-9]
 """
 LIST = r"""
 root ::= "[" item ("," " "? item){0,3} "]"
-item ::= "\"" [a-z]{1,6} "\"" | [0-9]{1,3}
+item ::= "\"" [a-z]{1,6} "\"" | "0" | [1-9] [0-9]{0,2}
 """
 
 
@@ -159,7 +159,8 @@ def test_grammar_answers_parse(client, model):
 def test_list_grammar_answers_parse(client, model):
     for choice in _many(lambda: _chat(client, model, structured_outputs={"grammar": LIST})):
         text = choice.message.content
-        assert re.fullmatch(r'\[("[a-z]{1,6}"|[0-9]{1,3})(, ?("[a-z]{1,6}"|[0-9]{1,3})){0,3}\]', text), text
+        item = r'("[a-z]{1,6}"|0|[1-9][0-9]{0,2})'  # a JSON number: no leading zeros
+        assert re.fullmatch(rf"\[{item}(, ?{item}){{0,3}}\]", text), text
         assert isinstance(json.loads(text), list)
 
 
