@@ -54,7 +54,6 @@ class DecodeRows:
     # which our paged kernel reads the cache through in place; None: no decode group
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
-    block_size: int = 0
     window: int | None = None
 
 
@@ -125,7 +124,7 @@ def _decode_rows(
     slots = _context_slots(tables, max_len, block_size).reshape(-1)
     if query_len == 1 and min(ctx) == max_len and (sliding_window is None or sliding_window >= max_len):
         run = _slot_run(tables, max_len, block_size)  # every key seen
-        return DecodeRows(token_rows, 1, slots, None, run, *_paged(tables, ctx, block_size, sliding_window))
+        return DecodeRows(token_rows, 1, slots, None, run, *_paged(tables, ctx, sliding_window))
     # Query t of a sequence sits at position ctx - query_len + t: it sees the keys up to
     # there (and, with a sliding window, only the last `sliding_window` of them). An
     # additive mask measured faster than a boolean one in SDPA's CPU kernel.
@@ -138,12 +137,12 @@ def _decode_rows(
     if query_len > 1:  # one mask row per (query token, query head of the group), in that order
         mask = mask.repeat_interleave(query_group, dim=1)
         return DecodeRows(token_rows, query_len, slots, mask[:, None, :, :])
-    return DecodeRows(token_rows, 1, slots, mask[:, None, :, :], None, *_paged(tables, ctx, block_size, sliding_window))
+    return DecodeRows(token_rows, 1, slots, mask[:, None, :, :], None, *_paged(tables, ctx, sliding_window))
 
 
-def _paged(tables: torch.Tensor, ctx: list[int], block_size: int, window: int | None) -> tuple:
-    """DecodeRows' fields for the paged kernel: (tables, lens, block_size, window)."""
-    return tables.contiguous(), torch.tensor(ctx, dtype=torch.int64, device=tables.device), block_size, window
+def _paged(tables: torch.Tensor, ctx: list[int], window: int | None) -> tuple:
+    """DecodeRows' fields for the paged kernel: (tables, lens, window)."""
+    return tables.contiguous(), torch.tensor(ctx, dtype=torch.int64, device=tables.device), window
 
 
 def _slot_run(tables: torch.Tensor, length: int, block_size: int) -> tuple[int, int] | None:
@@ -221,7 +220,7 @@ def _decode_attention(q: torch.Tensor, kv: PagedKv, rows: DecodeRows, scale: flo
             return out[None]
     if rows.tables is not None:  # a decode of several streams: the paged kernel, when it runs here
         out = paged_decode_attention(
-            q, (kv.keys, kv.values), rows.tables, rows.lens, rows.block_size, scale, rows.window
+            q, (kv.keys, kv.values), rows.tables, rows.lens, kv.cache.shape[2], scale, rows.window
         )
         if out is not None:
             return out

@@ -164,24 +164,25 @@ class Replicas:
         if tried:  # a retry: the least loaded of the rest
             return self.instances[least_loaded(loads).name], "retry"
         session = self.sessions.get(request.session_hash) if request.session_hash else None
-        kv_mode = self.policy.mode == "kv"
-        keys = block_keys(request.prompt_tokens, self.view.block_size, _scope(request)) if kv_mode else []
-        prefix = await self._prefix(request, keys, {load.name for load in loads}) if kv_mode else (None, 0, 0)
+        prefix, keys = (None, 0, 0), []
+        if self.policy.mode == "kv":
+            scope = _scope(request)
+            keys = block_keys(request.prompt_tokens, self.view.block_size, scope)
+            prefix = await self._prefix(request.prompt_tokens, scope, keys, {load.name for load in loads})
         picked = choose(loads, self.policy, session=session, prefix=prefix)
         if request.session_hash:
             self.sessions.put(request.session_hash, picked.name)
-        if kv_mode:
-            self.routed_prefixes.record(keys, picked.name, time.monotonic())
+        self.routed_prefixes.record(keys, picked.name, time.monotonic())
         self._count_match(picked.name, prefix)
         return self.instances[picked.name], picked.reason
 
     async def _prefix(
-        self, request: GenerationRequest, keys: list[int], names: set[str]
+        self, tokens: list[int], scope: str | None, keys: list[int], names: set[str]
     ) -> tuple[str | None, int, int]:
         """(the candidate holding the longest prefix of the prompt, its blocks, the
         prompt's full blocks): from Dynamo's router, or from the blocks routed in the last
         `pending_s` when that prefix is longer (its KV events are not in yet)."""
-        worker, matched, blocks = await self.view.best(request.prompt_tokens, _scope(request))
+        worker, matched, blocks = await self.view.best(tokens, scope)
         info = self.view.workers.get(worker) if worker is not None else None
         best = info.triton_grpc_url if info else None
         routed, routed_blocks = self.routed_prefixes.match(keys, time.monotonic())

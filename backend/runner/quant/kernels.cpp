@@ -371,6 +371,13 @@ inline float softmax_numerators(float* scores, int64_t L) {
   return _mm512_reduce_add_ps(total);
 }
 
+// The row of KV head `kvh` at position `pos` of a sequence: its slot found through `table`.
+inline const float* slot_row(const float* base, const int64_t* table, int64_t pos, int64_t block_size, int64_t KV,
+                             int64_t kvh, int64_t D) {
+  const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+  return base + (slot * KV + kvh) * D;
+}
+
 // One (sequence, KV head) of paged_decode_attention: its G query heads over positions
 // first .. first + L - 1, found through `table`. DV: head_dim / 16; GT query heads share
 // each loaded value row, their DV * GT accumulators in registers.
@@ -380,8 +387,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
                 float* scores) {
   constexpr int64_t D = DV * 16;
   for (int64_t l = 0; l < L; ++l) {
-    const int64_t pos = first + l, slot = table[pos / block_size] * block_size + pos % block_size;
-    const float* kl = kp + (slot * KV + kvh) * D;
+    const float* kl = slot_row(kp, table, first + l, block_size, KV, kvh, D);
     __m512 k[DV];
     for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(kl + d * 16);
     for (int64_t g = 0; g < G; ++g) {
@@ -399,8 +405,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
     }
     for (int64_t l = 0; l < L; ++l) {
-      const int64_t pos = first + l, slot = table[pos / block_size] * block_size + pos % block_size;
-      const float* vl = vp + (slot * KV + kvh) * D;
+      const float* vl = slot_row(vp, table, first + l, block_size, KV, kvh, D);
       __m512 v[DV];
       for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vl + d * 16);
       for (int g = 0; g < GT; ++g) {
