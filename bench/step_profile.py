@@ -80,9 +80,9 @@ def _label_quant_matmuls() -> None:
 
     plain = llama.quant_linear
 
-    def labelled(x, weight, bias=None):
+    def labelled(x, weight, bias=None, gemv_rows=None):
         with record_function("quant_linear"):
-            return plain(x, weight, bias)
+            return plain(x, weight, bias, gemv_rows)
 
     llama.quant_linear = labelled
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from backend.runner.quant.formats import KINDS, QuantizedWeight, quantize
+from backend.runner.quant.formats import KINDS, QuantizedWeight, Tiles, quantize, tile_weight
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
 from backend.runner.quant.kernels import activations, gemm_dtype, native
 
@@ -72,11 +72,13 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
             weight = taken.get(f"layers.{i}.{attr}")
             if weight is None or not _same_shape(weight, param):
                 weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
+            weight.tiles = _gemv_tiles(weight)
             del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
             setattr(layer, attr, weight)
     head = taken.get("lm_head_t")
     if head is None or not _same_shape(head, model.lm_head_t):  # int8, as GGUF's Q8_0
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
+    head.tiles = _gemv_tiles(head)
     model.lm_head_q = head
     source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
     points = ("symmetric" if spec.symmetric else "zero points") + f", {activations()} activations"
@@ -85,6 +87,12 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr
     )
     return len(taken)
+
+
+def _gemv_tiles(weight: QuantizedWeight) -> Tiles | None:
+    """The weight's copy in the layout of the GEMV that runs here (none: our kernels do not,
+    or QUANT_ACTIVATIONS=int8's kernel reads q)."""
+    return tile_weight(weight) if native() is not None and activations() == "float32" else None
 
 
 def _same_shape(weight: QuantizedWeight, param: torch.Tensor) -> bool:

@@ -22,6 +22,21 @@ BLOCK = 32  # weights per int4 packing block; every group is a multiple of it
 KINDS = ("int8", "int4")
 
 
+TILE = 4  # output rows side by side in a Tiles block
+
+
+@dataclass(slots=True, eq=False)
+class Tiles:
+    """A weight laid out for the GEMV (tiles.cpp): each block of 32 inputs of TILE consecutive
+    output rows side by side (int4: TILE x 16 bytes, one cache line; int8: TILE x 32), and
+    their scales and mins (one per block, a group's repeated over its blocks; symmetric
+    int8: mins 0) side by side, so a thread reads two arrays front to back instead of TILE
+    short rows at a time."""
+
+    data: torch.Tensor  # [out / TILE, in / 32, TILE, bytes]: each row's bytes of the block as in q
+    params: torch.Tensor  # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins
+
+
 @dataclass(slots=True, eq=False)
 class QuantizedWeight:
     """One linear layer's weights, [out_features, in_features] as the kernels read them."""
@@ -31,6 +46,9 @@ class QuantizedWeight:
     scales: torch.Tensor  # float32 [out, in / group]
     mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric int8 (int4 always has them)
     group: int
+    # where the native kernels run: the same weights as Tiles (`tile_weight`), which the
+    # GEMV reads instead of q, scales and mins (a copy: the reference and the other paths read those)
+    tiles: Tiles | None = None
 
     @property
     def out_features(self) -> int:
@@ -89,6 +107,23 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     out_features, in_features = q.shape
     blocks = q.reshape(out_features, in_features // BLOCK, 2, BLOCK // 2)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def tile_weight(weight: QuantizedWeight) -> Tiles | None:
+    """`weight` as Tiles; None where its rows do not make whole tiles."""
+    if weight.out_features % TILE:
+        return None
+    tiles, blocks = weight.out_features // TILE, weight.in_features // BLOCK
+    block_bytes = BLOCK // 2 if weight.kind == "int4" else BLOCK
+    data = weight.q.reshape(tiles, TILE, blocks, block_bytes).transpose(1, 2).contiguous()
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / TILE, blocks, TILE]
+        values = values.repeat_interleave(weight.group // BLOCK, dim=1)
+        return values.reshape(tiles, TILE, blocks).transpose(1, 2)
+
+    mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scales)
+    params = torch.cat((per_block(weight.scales), per_block(mins)), dim=2).contiguous()
+    return Tiles(data, params)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -480,9 +480,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch:
 // q8_kernels.cpp
 torch::Tensor quant_matmul_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins,
                               torch::Tensor bias);
+// tiles.cpp
+torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul_q8", &quant_matmul_q8, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
+  m.def("tiled_matmul", &tiled_matmul, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
   m.def("quant_matmul", &quant_matmul, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, "dequant(W) [N, K], float32 or bf16");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [T, H]");

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 from backend.runner.quant.formats import BLOCK, QuantizedWeight, dequantize
 
+# int4 weights in tiles (formats.Tiles, made at load where these kernels run) take the
+# tiles' GEMV at every row count: it measured ~1.5x the float32 GEMM after a dequantize from 1
+# to 512 rows on the default model's layers (2 cores; the GEMM is MKL's, far from this CPU's
+# float32 peak). What follows is the path of int8 weights and of int4 ones without tiles.
 # Up to this many rows the GEMV kernel runs (it decodes each weight once per 8 rows); past it
 # the weights are dequantized whole and multiplied by a GEMM, which a prefill chunk amortizes:
 # float32 (MKL; exact, the float32 model's numbers) unless QUANT_GEMM=bf16 (oneDNN's bf16
@@ -33,7 +37,7 @@ GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 # the GEMV path.
 ACTIVATIONS = ("float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp")]
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp", "tiles.cpp")]
 
 
 @functools.cache
@@ -86,13 +90,17 @@ def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, gemv_rows: int | None = None
 ) -> torch.Tensor:
     """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype. Up to `gemv_rows`
-    rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs."""
+    rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs; int4 tiles' GEMV
+    runs at every row count while the GEMM would be float32's."""
     lib = native() if x.is_cpu and x.dtype == torch.float32 else None
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
+    b = _NONE if bias is None else bias
+    gemv = x.shape[0] <= (gemv_rows or GEMV_MAX_ROWS[weight.kind])
+    if weight.tiles is not None and (gemv or gemm_dtype() == torch.float32):
+        return lib.tiled_matmul(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
     mins = _NONE if weight.mins is None else weight.mins
-    if x.shape[0] <= (gemv_rows or GEMV_MAX_ROWS[weight.kind]):
-        b = _NONE if bias is None else bias
+    if gemv:
         if weight.group == BLOCK and activations() == "int8":
             return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, mins, b)
         return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))

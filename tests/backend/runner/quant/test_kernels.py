@@ -1,7 +1,7 @@
 """The quantized matmuls against their own reference: `dequantize` then a float64 matmul.
 
-Every path `quant_linear` can take is checked: the GEMV kernel (float32 activations, exact
-up to summation order), the dequantize-then-GEMM for many rows (float32, exact; or with
+Every path `quant_linear` can take is checked: the GEMV kernels (float32 activations, exact
+up to summation order; the tiles' at every row count), the dequantize-then-GEMM for many rows (float32, exact; or with
 QUANT_GEMM=bf16, bf16 rounding of the activations and weights), and the plain fallback;
 int8 and int4, with and without zero points, several group sizes and row counts, with and
 without a bias. The int4 packing is
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backend.runner.quant import kernels
-from backend.runner.quant.formats import QuantizedWeight, dequantize, pack_int4, quantize, unpack_int4
+from backend.runner.quant.formats import TILE, QuantizedWeight, dequantize, pack_int4, quantize, tile_weight, unpack_int4
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
 FORMATS = [
@@ -100,6 +100,62 @@ def test_dequant_is_the_reference(kind, group, symmetric):
         lib.dequant(weight.q, weight.scales, mins, weight.group, bits, False, buffer), dequantize(weight)
     )
     assert (buffer[64 * 256 :] == 7.0).all()
+
+
+def _tiled(weight: QuantizedWeight) -> QuantizedWeight:
+    weight.tiles = tile_weight(weight)
+    assert weight.tiles is not None
+    return weight
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 48, 49, 100, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_gemv_matches_its_reference_at_every_row_count(kind, group, symmetric, rows, with_bias):
+    weight = _tiled(_weight(200, 384, kind, group, symmetric))
+    x = torch.randn(rows, 384)
+    bias = torch.randn(200) if with_bias else None
+    got = kernels.quant_linear(x, weight, bias)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
+
+
+@needs_kernels
+def test_tiled_weights_of_a_wide_layer_are_read_in_chunks():
+    # 1024 blocks of 32 inputs: one tile is ~96 KB, a thread's chunk of tiles a few of them
+    weight = _tiled(_weight(64, 32768, "int4", 32, False))
+    x = torch.randn(7, 32768)
+    assert _relative_error(kernels.quant_linear(x, weight), _reference(x, weight, None)) < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+def test_tiled_weights_past_the_gemv_rows_take_the_bf16_gemm_when_asked(kind, group, symmetric, monkeypatch):
+    monkeypatch.setenv("QUANT_GEMM", "bf16")
+    weight = _tiled(_weight(256, 512, kind, group, symmetric))
+    x = torch.randn(kernels.GEMV_MAX_ROWS[kind] + 1, 512)
+    exact = torch.nn.functional.linear(x.bfloat16(), dequantize(weight).bfloat16()).float()
+    assert torch.equal(kernels.quant_linear(x, weight), exact)
+
+
+@pytest.mark.parametrize("kind,group,symmetric", FORMATS)
+def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
+    weight = _weight(8, 256, kind, group, symmetric)
+    tiles = tile_weight(weight)
+    block_bytes = 16 if kind == "int4" else 32
+    assert tiles.data.shape == (8 // TILE, 256 // 32, TILE, block_bytes)
+    assert tiles.params.shape == (8 // TILE, 256 // 32, 2 * TILE)
+    for row in range(8):
+        for block in range(256 // 32):
+            tile, t = divmod(row, TILE)
+            want = weight.q[row, block * block_bytes : (block + 1) * block_bytes]
+            assert torch.equal(tiles.data[tile, block, t], want)
+            group_index = block * 32 // group
+            assert tiles.params[tile, block, t] == weight.scales[row, group_index]
+            mins = 0.0 if weight.mins is None else weight.mins[row, group_index]
+            assert tiles.params[tile, block, TILE + t] == mins
+    assert tile_weight(_weight(6, 256, kind, group, symmetric)) is None  # rows that make no whole tiles
 
 
 def test_a_bad_quant_gemm_is_refused(monkeypatch):

@@ -1,0 +1,128 @@
+// The GEMV over tiles (formats.py `Tiles`): y[M, N] = x[M, K] @ W^T (+ bias), W int4 or int8.
+//
+// In GGUF's row layout a thread reading 4 output rows at once touches 4 short runs of bytes
+// (a row of 576 int4 weights is 288 bytes), then 4 more; the hardware prefetchers follow
+// such runs poorly, and a decode step, which reads every weight once, stalled on memory:
+// ~22 GB/s on the 2 cores where a plain sum streams ~45. A tile stores each block of 32
+// inputs of 4 consecutive output rows side by side (int4: 64 bytes, one cache line) and the
+// tile's scales and mins next to each other, so each thread reads two arrays front to back.
+//
+// Weights are decoded to float32 as the reference computes them and multiplied in float32:
+// exact to x @ dequantize(W)^T up to the order of float additions.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int kTile = 4;       // output rows per tile (formats.TILE)
+constexpr int kPassRows = 4;   // rows of x per pass over a thread's tiles (4 x 4 accumulators)
+constexpr int64_t kChunkBytes = 256 << 10;  // a thread's tiles per round of passes: in its L2
+
+struct Tiles {
+  const uint8_t* data;   // [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
+  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins
+  const float* bias;     // [N] or null
+  int64_t N, K, blocks;
+};
+
+// A block's weights 0..15 and 16..31 of tile row t, as float32: int4 through a 16-entry table
+// of scale * level + min (one permute a nibble), int8 as q * scale + min; both compute a weight
+// as the reference does (a product, then a sum: no fused multiply-add).
+template <bool kInt4>
+inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
+  const __m512 scale = _mm512_set1_ps(sm[t]), min = _mm512_set1_ps(sm[kTile + t]);
+  if constexpr (kInt4) {
+    const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, scale), min);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + t * 16)));
+    lo = _mm512_permutexvar_ps(bytes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  } else {
+    const auto* q = reinterpret_cast<const __m128i*>(block + t * 32);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    lo = _mm512_add_ps(_mm512_mul_ps(lo, scale), min);
+    hi = _mm512_add_ps(_mm512_mul_ps(hi, scale), min);
+  }
+}
+
+// Outputs tile * 4 .. tile * 4 + 3 of R rows of x (x and y point at the first of them).
+template <bool kInt4, int R>
+inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
+  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  const uint8_t* data = w.data + tile * w.blocks * kBlockBytes;
+  const float* params = w.params + tile * w.blocks * 2 * kTile;
+  __m512 acc[kTile][R];
+  for (int t = 0; t < kTile; ++t) {
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    for (int t = 0; t < kTile; ++t) {
+      __m512 lo, hi;
+      decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * w.K + b * 32;
+        acc[t][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t][r]);
+        acc[t][r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < kTile; ++t) {
+    const int64_t n = tile * kTile + t;
+    const float add = w.bias != nullptr ? w.bias[n] : 0.f;
+    for (int r = 0; r < R; ++r) y[r * w.N + n] = _mm512_reduce_add_ps(acc[t][r]) + add;
+  }
+}
+
+template <bool kInt4, int R>
+void tiles_dot(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y) {
+  for (int64_t tile = begin; tile < end; ++tile) tile_dot<kInt4, R>(w, tile, x, y);
+}
+
+template <bool kInt4>
+void pass(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, int64_t rows) {
+  switch (rows) {
+    case 1: return tiles_dot<kInt4, 1>(w, begin, end, x, y);
+    case 2: return tiles_dot<kInt4, 2>(w, begin, end, x, y);
+    case 3: return tiles_dot<kInt4, 3>(w, begin, end, x, y);
+    default: return tiles_dot<kInt4, 4>(w, begin, end, x, y);
+  }
+}
+
+}  // namespace
+
+torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool int4 = data.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(data.dim() == 4 && data.size(2) == kTile && data.size(3) == (int4 ? 16 : 32) && data.is_contiguous() &&
+                  (int4 || data.scalar_type() == torch::kInt8), "data: uint8 [N / 4, K / 32, 4, 16] or int8 [.., 32]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
+  TORCH_CHECK(blocks * 32 == K, "data does not match K");
+  TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
+                  params.size(1) == blocks && params.size(2) == 2 * kTile, "params: float32 [N / 4, K / 32, 8]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                N, K, blocks};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Each thread takes a run of tiles and goes through it in chunks of ~256 KB, each chunk
+  // for every row of x: its weights are read from memory once, later passes over a chunk
+  // find it in the core's L2 (the prefill's many rows included).
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + 2 * kTile * 4)));
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t from = begin; from < end; from += chunk) {
+      const int64_t to = std::min(end, from + chunk);
+      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
+        const float* xr = xp + r0 * K;
+        float* yr = yp + r0 * N;
+        const int64_t rows = std::min<int64_t>(kPassRows, M - r0);
+        int4 ? pass<true>(w, from, to, xr, yr, rows) : pass<false>(w, from, to, xr, yr, rows);
+      }
+    }
+  });
+  return y;
+}
