@@ -16,10 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
-from backend.runner.attention import AttentionPlan, PagedKv, build_attention_plan, paged_attention, paged_kv
+from backend.runner.attention import (
+    AttentionPlan,
+    DecodeRows,
+    PagedKv,
+    build_attention_plan,
+    paged_attention,
+    paged_kv,
+)
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.quant.formats import QuantizedWeight
-from backend.runner.quant.kernels import quant_linear, rms_norm
+from backend.runner.quant.kernels import native, quant_linear, rms_norm
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+_EMPTY = torch.empty(0)  # decode_layer's absent bias
 
 # Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs,
 # past it the float32 table's matmul (a prefill's prompt logprobs). 49152 x 576 on 2 cores, ms
@@ -138,6 +146,34 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm = empty_param(h, dtype=dtype, device=device)
         self.gate_up_t = empty_param(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
         self.down_t = empty_param(cfg.intermediate_size, h, dtype=dtype, device=device)
+        self._decode_operands: list[torch.Tensor] | None = None  # `decode_operands`, once made
+
+    def decode_operands(self) -> list[torch.Tensor] | None:
+        """The weights `decode` passes to decode_layer (decode_layer.cpp's order), made once;
+        None where the layer cannot run as one call: a linear is not tiles (QUANT=none, or
+        no native kernels), or Qwen3's q/k norms."""
+        if self._decode_operands is None:
+            linears = (self.qkv_t, self.o_proj_t, self.gate_up_t, self.down_t)
+            if self.qk_norm is not None or not all(getattr(w, "tiles", None) is not None for w in linears):
+                self._decode_operands = []
+            else:
+                qkv, o, gate_up, down = (w.tiles for w in linears)
+                qkv_bias = _EMPTY if self.qkv_bias is None else self.qkv_bias
+                o_bias = _EMPTY if self.o_bias is None else self.o_bias
+                self._decode_operands = [
+                    self.input_norm, qkv.data, qkv.params, qkv_bias, o.data, o.params, o_bias,
+                    self.post_norm, gate_up.data, gate_up.params, down.data, down.params,
+                ]  # fmt: skip
+        return self._decode_operands or None
+
+    def decode(self, x: torch.Tensor, rope: Rope, kv: PagedKv, rows: DecodeRows, slots: torch.Tensor) -> torch.Tensor:
+        """`forward` of a decode step (one token per sequence, the paged kernel's `rows`) in
+        one call of our kernel; x is updated in place."""
+        cos, sin = rope
+        return native().decode_layer(
+            x, self._decode_operands, cos, sin, kv.keys, kv.values, slots, rows.tables, rows.lens,
+            kv.cache.shape[2], rows.window or 0, self.num_heads, self.num_kv_heads, self.scale, self.eps,
+        )  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor | PagedKv, batch: ForwardBatch, plan: AttentionPlan
@@ -222,9 +258,28 @@ class LlamaForCausalLM(torch.nn.Module):
         kvs = self._paged_kvs
         if len(kvs) != len(kv_caches) or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True)):
             self._paged_kvs = kvs = [paged_kv(cache) for cache in kv_caches]
+        fused = self._fused_decode(batch, plans, x)
         for layer, kv in zip(self.layers, kvs, strict=True):
-            x = layer(x, rope, kv, batch, plans[layer.sliding_window])
+            plan = plans[layer.sliding_window]
+            if fused:
+                x = layer.decode(x, rope, kv, plan.decode[0], batch.slot_mapping)
+            else:
+                x = layer(x, rope, kv, batch, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _fused_decode(self, batch: ForwardBatch, plans: dict[int | None, AttentionPlan], x: torch.Tensor) -> bool:
+        """Whether this step's layers run as one decode_layer call each: a decode (one token
+        per sequence) that the paged kernel attends, float32 on the CPU where our kernels run,
+        no adapters, every layer's linears tiles (`DecoderLayer.decode_operands`)."""
+        if batch.lora is not None or x.dtype != torch.float32 or not x.is_cpu or native() is None:
+            return False
+        if self.config.head_dim not in (32, 64, 128):  # the paged kernel's head sizes
+            return False
+        for plan in plans.values():
+            rows = plan.decode[0] if len(plan.decode) == 1 and not plan.prefills else None
+            if rows is None or rows.tables is None or rows.token_rows is not None:
+                return False
+        return all(layer.decode_operands() is not None for layer in self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -482,10 +482,16 @@ torch::Tensor quant_matmul_q8(torch::Tensor x, torch::Tensor q, torch::Tensor sc
                               torch::Tensor bias);
 // tiles.cpp
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+// decode_layer.cpp
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
+                           int64_t num_kv_heads, double scale, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul_q8", &quant_matmul_q8, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
   m.def("tiled_matmul", &tiled_matmul, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
+  m.def("decode_layer", &decode_layer, "one decoder layer of a decode step, its linears tiles, x updated in place");
   m.def("quant_matmul", &quant_matmul, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, "dequant(W) [N, K], float32 or bf16");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [T, H]");

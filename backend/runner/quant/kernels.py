@@ -37,7 +37,9 @@ GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 # the GEMV path.
 ACTIVATIONS = ("float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp", "tiles.cpp")]
+_SOURCES = [
+    str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp", "tiles.cpp", "decode_layer.cpp")
+]
 
 
 @functools.cache

@@ -103,9 +103,10 @@ torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor pa
   TORCH_CHECK(blocks * 32 == K, "data does not match K");
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
                   params.size(1) == blocks && params.size(2) == 2 * kTile, "params: float32 [N / 4, K / 32, 8]");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
+  const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
+  TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
+  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), has_bias ? bias.data_ptr<float>() : nullptr,
                 N, K, blocks};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -1,0 +1,95 @@
+// One decoder layer of a decode step (one new token per sequence) in one call, for a layer
+// whose linears are tiles (tiles.cpp): the same steps as llama.py's DecoderLayer, each by our
+// kernels, with no Python between them. At one stream a layer's ~20 torch calls from Python
+// cost more than its non-matmul arithmetic; here they are one.
+//
+//   h = rms_norm(x); qkv = h @ Wqkv (+ bias); RoPE on q and k; k, v written at their slots;
+//   x += attention(q, the cache) @ Wo (+ bias); h = rms_norm(x); x += (silu(g) * u) @ Wdown
+//
+// Arithmetic is the unfused path's up to the order of float additions (RoPE and SiLU are
+// written out here: x * cos + rotate_half(x) * sin, g / (1 + exp(-g)) * u).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale, int64_t window);
+
+namespace {
+
+// The operands' order in `weights` (llama.py `DecoderLayer.decode_operands`).
+enum Operand { kInputNorm, kQkv, kQkvParams, kQkvBias, kO, kOParams, kOBias, kPostNorm, kGateUp, kGateUpParams,
+               kDown, kDownParams, kOperands };
+
+// RoPE in place on the first `heads` heads of each row of qkv [T, width]: rotate_half's sign
+// is in sin (llama.py `rotary`), its roll by D / 2 is the index (d + D / 2) % D.
+void rope(float* qkv, int64_t T, int64_t width, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  std::vector<float> head(static_cast<size_t>(D));
+  for (int64_t t = 0; t < T; ++t) {
+    const float *c = cos + t * D, *s = sin + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = qkv + t * width + h * D;
+      std::copy(v, v + D, head.begin());
+      for (int64_t d = 0; d < D; ++d) v[d] = head[d] * c[d] + head[(d + D / 2) % D] * s[d];
+    }
+  }
+}
+
+// act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor act = torch::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  at::parallel_for(0, T * I, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t t = j / I, i = j % I;
+      const float gate = g[t * 2 * I + i];
+      a[j] = gate / (1.0f + std::exp(-gate)) * g[t * 2 * I + I + i];
+    }
+  });
+  return act;
+}
+
+}  // namespace
+
+// x [T, hidden] float32 contiguous, updated in place and returned. cos, sin [T, D]; keys,
+// values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [T, max_blocks];
+// lens [T]: the paged kernel's operands.
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
+                           int64_t num_kv_heads, double scale, double eps) {
+  TORCH_CHECK(weights.size() == kOperands, "decode_layer: the layer's 12 operands");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: float32 [T, hidden]");
+  const int64_t T = x.size(0), D = keys.size(2), H = num_heads, KV = num_kv_heads;
+  TORCH_CHECK(keys.size(1) == KV && keys.is_contiguous() && values.is_contiguous(), "keys, values: [S, KV, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D, "cos, sin");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_contiguous(), "slots: int64 [T]");
+  const int64_t width = (H + 2 * KV) * D, num_slots = keys.size(0);
+  torch::Tensor qkv = tiled_matmul(rms_norm(x, weights[kInputNorm], eps), weights[kQkv], weights[kQkvParams],
+                                   weights[kQkvBias]);
+  TORCH_CHECK(qkv.size(1) == width, "qkv: [T, (H + 2 KV) * D]");
+  float* qp = qkv.data_ptr<float>();
+  rope(qp, T, width, H + KV, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "a slot outside the cache");
+    const float* row = qp + t * width;
+    std::copy(row + H * D, row + (H + KV) * D, kp + sp[t] * KV * D);
+    std::copy(row + (H + KV) * D, row + width, vp + sp[t] * KV * D);
+  }
+  torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
+  torch::Tensor attn = paged_decode_attention(q, keys, values, tables, lens, block_size, scale, window);
+  x.add_(tiled_matmul(attn.view({T, H * D}), weights[kO], weights[kOParams], weights[kOBias]));
+  torch::Tensor gate_up = tiled_matmul(rms_norm(x, weights[kPostNorm], eps), weights[kGateUp],
+                                       weights[kGateUpParams], torch::Tensor());
+  x.add_(tiled_matmul(silu_mul(gate_up), weights[kDown], weights[kDownParams], torch::Tensor()));
+  return x;
+}

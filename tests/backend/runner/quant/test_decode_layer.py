@@ -1,0 +1,98 @@
+"""The fused decode layer (decode_layer.cpp): a decode step of a quantized model in one kernel
+call a layer, against the same model's layer-by-layer path (llama.py `DecoderLayer.forward`),
+on tiny random checkpoints of the architectures it serves: GQA, q/k/v biases, a sliding
+window; sequences of mixed lengths over scattered blocks. Qwen3's q/k norms keep the
+layer-by-layer path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from backend.runner.forward_batch import Span, build_forward_batch
+from backend.runner.loader import load_model
+from backend.runner.models.llama import DecoderLayer, LlamaForCausalLM
+from backend.runner.quant import kernels
+from backend.runner.quant.apply import QuantSpec, quantize_model
+
+needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
+CPU = torch.device("cpu")
+BLOCK = 4
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # head_dim 32: a size the paged kernel takes
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "qwen2-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    "mistral-window": lambda: MistralConfig(**TINY, sliding_window=6, tie_word_embeddings=False),
+}
+
+
+def _quantized(config, folder, kind: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random norms and biases too, so each reaches the kernel
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    model = load_model(folder, torch.float32, CPU)
+    quantize_model(model, QuantSpec(kind))
+    return model
+
+
+def _decode_logits(model: LlamaForCausalLM, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill the prompts together, then `steps` greedy decode steps of all of them; the
+    logits [B, vocab] of each decode step. Blocks are handed out from a shuffled pool."""
+    cfg = model.config
+    caches = [torch.zeros(2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    pool = torch.randperm(64, generator=torch.Generator().manual_seed(5)).tolist()
+    tokens = [list(p) for p in prompts]
+    tables: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    out = []
+    for step in range(steps + 1):
+        spans = []
+        for i, seq in enumerate(tokens):
+            while len(tables[i]) * BLOCK < len(seq):
+                tables[i].append(pool.pop())
+            spans.append(Span(seq[computed[i] :], computed[i], list(tables[i]), num_logits=1))
+            computed[i] = len(seq)
+        batch = build_forward_batch(spans, BLOCK, CPU)
+        logits = model.compute_logits(model(batch, caches)[batch.logits_indices])
+        if step:
+            out.append(logits)
+        for seq, row in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+            seq.append(row)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_fused_decode_layer_matches_the_layer_by_layer_path(name, kind, tmp_path, monkeypatch):
+    model = _quantized(CONFIGS[name](), tmp_path, kind)
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate([9, 20, 3])]
+    calls = []
+    fused_decode = DecoderLayer.decode
+    monkeypatch.setattr(DecoderLayer, "decode", lambda self, *a: calls.append(1) or fused_decode(self, *a))
+    fused = _decode_logits(model, prompts, steps=12)
+    assert len(calls) == 12 * model.config.num_layers  # every decode step, every layer
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_decode", lambda *a: False)
+    plain = _decode_logits(model, prompts, steps=12)
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_layers_the_fused_call_does_not_cover_keep_their_path(tmp_path):
+    model = _quantized(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False), tmp_path / "qwen3", "int4")
+    assert model.layers[0].decode_operands() is None  # q/k norms
+    unquantized = load_model(tmp_path / "qwen3", torch.float32, CPU)
+    assert unquantized.layers[0].decode_operands() is None  # float32 linears
