@@ -4,7 +4,8 @@ For each stream count, the default model decodes greedy streams (plain decoding,
 prefix cache) until every prompt is computed; then `--steps` steady decode steps are
 timed without the profiler (the per-step total: the median wall time), and as many
 again under the torch profiler, whose self time of the matmul ops (aten::mm / addmm:
-the linear layers and lm_head) is the matmul share. Non-matmul = total - matmul:
+the linear layers and lm_head; with QUANT, a fused decode step's layers, `decode_layer`, whole)
+is the matmul share. Non-matmul = total - matmul:
 scheduling, batch building, attention, rope, norms, sampling, outputs. Under the
 profiler, that splits into the other ops' self time and the rest (Python between ops).
 Wall figures move with the machine's load: compare runs made back to back.
@@ -26,7 +27,9 @@ from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 
 DEFAULT_MODEL = Path.home() / ".cache/tritonllm/models/SmolLM2-135M-Instruct"
-MATMUL_OPS = ("aten::mm", "aten::addmm", "quant_linear")  # quant_linear: QUANT's matmuls, labelled here
+# quant_linear: QUANT's matmuls; decode_layer: a fused decode step's whole layer (its matmuls and
+# the attention, RoPE and norms between them: one call of our kernel), both labelled here
+MATMUL_OPS = ("aten::mm", "aten::addmm", "quant_linear", "decode_layer")
 
 
 def start_streams(engine: LLMEngine, streams: int, prompt_len: int, tokens: int) -> None:
@@ -85,6 +88,13 @@ def _label_quant_matmuls() -> None:
             return plain(x, weight, bias, gemv_rows)
 
     llama.quant_linear = labelled
+    fused = llama.DecoderLayer.decode
+
+    def labelled_layer(self, *args):
+        with record_function("decode_layer"):
+            return fused(self, *args)
+
+    llama.DecoderLayer.decode = labelled_layer
 
 
 def main() -> None:

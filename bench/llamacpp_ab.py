@@ -1,0 +1,61 @@
+"""Our server against llama.cpp's, both up at once, measured in turns.
+
+`make bench` starts one server after the other, so a change in the machine's load between
+them shows as a difference between the servers. Here both serve at the same time (ours
+with QUANT, llama-server on the default model's Q4_1 GGUF, `bench/llamacpp.py`'s flags)
+and each measurement runs on one, then on the other, `--rounds` times: one stream's
+decode rate, then N streams' aggregate rate, with the same prompts and client code.
+
+    LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench import llamacpp
+from bench.throughput import prompts_for
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--quant", default="int4")
+    args = parser.parse_args()
+    binary = llamacpp.server_binary()
+    if binary is None:
+        raise SystemExit("LLAMA_SERVER must name a llama-server binary")
+    from transformers import AutoTokenizer
+
+    from backend.runner.convert import ensure_default_model, gguf_path
+    from launcher.stack import Stack
+
+    model_path = str(ensure_default_model())
+    prompts = prompts_for(AutoTokenizer.from_pretrained(model_path), max(args.streams, args.rounds))
+    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant}
+    with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path())) as llama_url:
+        ours = (stack.base_url.removesuffix("/v1"), stack.served_model_name)
+        theirs = (llama_url, "llama")
+        for url, name in (ours, theirs):
+            llamacpp.decode_rate(url, prompts[0], 8, name)  # warm up
+        one = {"ours": [], "llama.cpp": []}
+        many = {"ours": [], "llama.cpp": []}
+        for i in range(args.rounds):
+            for label, (url, name) in (("ours", ours), ("llama.cpp", theirs)):
+                one[label].append(llamacpp.decode_rate(url, prompts[i], args.tokens, name))
+            for label, (url, name) in (("ours", ours), ("llama.cpp", theirs)):
+                many[label].append(llamacpp.aggregate_rate(url, prompts[: args.streams], args.tokens, name))
+            line = f"round {i + 1}: one stream {one['ours'][-1]:.1f} against {one['llama.cpp'][-1]:.1f}, "
+            line += f"{args.streams} streams {many['ours'][-1]:.1f} against {many['llama.cpp'][-1]:.1f}"
+            print(line, flush=True)
+    for what, rates, goal in (("one stream", one, 1.2), (f"{args.streams} streams", many, 2.0)):
+        ratios = [a / b for a, b in zip(rates["ours"], rates["llama.cpp"], strict=True)]
+        print(f"{what}: ours / llama.cpp {', '.join(f'{r:.2f}x' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x; goal >= {goal}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
