@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from backend.runner.quant import kernels
-from backend.runner.quant.formats import TILE, QuantizedWeight, dequantize, pack_int4, quantize, tile_weight, unpack_int4
+from backend.runner.quant.formats import (
+    TILE,
+    QuantizedWeight,
+    dequantize,
+    pack_int4,
+    quantize,
+    tile_weight,
+    unpack_int4,
+)
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
 FORMATS = [
