@@ -3,7 +3,10 @@
 For each of the default model's linear shapes and row counts (1: one decode stream; 8, 32:
 batched decode; 512: a prefill chunk), microseconds per call of:
 
-- ours: `quant_linear` (backend/runner/quant/kernels.py: the GEMV or the dequantize-then-GEMM);
+- ours (tiles): `quant_linear` on the weights with their Tiles, as the server loads them
+  (tiles.cpp at every row count);
+- ours (rows): `quant_linear` on GGUF's row layout alone (the row-layout GEMV or the
+  dequantize-then-GEMM);
 - ours int4 x int8: q8_kernels.cpp (QUANT_ACTIVATIONS=int8: activations rounded to int8 per
   32, integer dot products), at every row count;
 - torch int8: `aten._weight_int8pack_mm` (int8 weights, one scale per output channel), with
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from backend.runner.quant.formats import dequantize, quantize, unpack_int4
+from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, tile_weight, unpack_int4
 from backend.runner.quant.kernels import _cpu_flags, native, quant_linear
 
 SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
@@ -49,6 +52,11 @@ def _torch_int4(w: torch.Tensor):
     return packed, torch.stack([qw.scales.t(), zeros.t()], dim=-1).contiguous().bfloat16()
 
 
+def _tiled(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Copies of `weights` with their Tiles (as apply.py loads them where the kernels run)."""
+    return [QuantizedWeight(w.kind, w.q, w.scales, w.mins, w.group, tile_weight(w)) for w in weights]
+
+
 def _candidates(w_list: list[torch.Tensor]):
     int8 = [quantize(w, "int8", 32, False) for w in w_list]
     int4 = [quantize(w, "int4", 32, False) for w in w_list]
@@ -58,9 +66,12 @@ def _candidates(w_list: list[torch.Tensor]):
     f32 = [w.t().contiguous() for w in w_list]
     q8 = native().quant_matmul_q8 if native() is not None and "avx512_vnni" in _cpu_flags() else None
     none = torch.empty(0)
+    int8_tiles, int4_tiles = _tiled(int8), _tiled(int4)
     return {
-        "ours int8": lambda x, i: quant_linear(x, int8[i]),
-        "ours int4": lambda x, i: quant_linear(x, int4[i]),
+        "ours int8 (tiles)": lambda x, i: quant_linear(x, int8_tiles[i]),
+        "ours int4 (tiles)": lambda x, i: quant_linear(x, int4_tiles[i]),
+        "ours int8 (rows)": lambda x, i: quant_linear(x, int8[i]),
+        "ours int4 (rows)": lambda x, i: quant_linear(x, int4[i]),
         **({"ours int4 x int8": lambda x, i: q8(x, int4[i].q, int4[i].scales, int4[i].mins, none)} if q8 else {}),
         "torch int8 (bf16 x)": lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x.bfloat16(), int8_channel[i], channel[i][:, 0].bfloat16()

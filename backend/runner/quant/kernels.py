@@ -18,10 +18,11 @@ import torch.nn.functional as F
 
 from backend.runner.quant.formats import BLOCK, QuantizedWeight, dequantize
 
-# int4 weights in tiles (formats.Tiles, made at load where these kernels run) take the
-# tiles' GEMV at every row count: it measured ~1.5x the float32 GEMM after a dequantize from 1
-# to 512 rows on the default model's layers (2 cores; the GEMM is MKL's, far from this CPU's
-# float32 peak). What follows is the path of int8 weights and of int4 ones without tiles.
+# Weights with tiles (formats.Tiles, made at load where these kernels run) take the tiles'
+# GEMV at every row count: against the float32 GEMM after a dequantize it measured ~1.5x
+# (int4) and ~2x (int8) from 1 to 512 rows on the default model's layers (2 cores; the GEMM
+# is MKL's, far from this CPU's float32 peak). What follows is the path of weights without
+# tiles (rows not a multiple of formats.TILE).
 # Up to this many rows the GEMV kernel runs (it decodes each weight once per 8 rows); past it
 # the weights are dequantized whole and multiplied by a GEMM, which a prefill chunk amortizes:
 # float32 (MKL; exact, the float32 model's numbers) unless QUANT_GEMM=bf16 (oneDNN's bf16
