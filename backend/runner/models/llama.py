@@ -26,7 +26,7 @@ from backend.runner.attention import (
 )
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.quant.formats import QuantizedWeight
-from backend.runner.quant.kernels import native, quant_linear, rms_norm
+from backend.runner.quant.kernels import EMPTY, PAGED_HEAD_DIMS, native, quant_linear, rms_norm
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
-_EMPTY = torch.empty(0)  # decode_layer's absent bias
 
 # Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs,
 # past it the float32 table's matmul (a prefill's prompt logprobs). 49152 x 576 on 2 cores, ms
@@ -158,8 +157,8 @@ class DecoderLayer(torch.nn.Module):
                 self._decode_operands = []
             else:
                 qkv, o, gate_up, down = (w.tiles for w in linears)
-                qkv_bias = _EMPTY if self.qkv_bias is None else self.qkv_bias
-                o_bias = _EMPTY if self.o_bias is None else self.o_bias
+                qkv_bias = EMPTY if self.qkv_bias is None else self.qkv_bias
+                o_bias = EMPTY if self.o_bias is None else self.o_bias
                 self._decode_operands = [
                     self.input_norm, qkv.data, qkv.params, qkv_bias, o.data, o.params, o_bias,
                     self.post_norm, gate_up.data, gate_up.params, down.data, down.params,
@@ -273,7 +272,7 @@ class LlamaForCausalLM(torch.nn.Module):
         no adapters, every layer's linears tiles (`DecoderLayer.decode_operands`)."""
         if batch.lora is not None or x.dtype != torch.float32 or not x.is_cpu or native() is None:
             return False
-        if self.config.head_dim not in (32, 64, 128):  # the paged kernel's head sizes
+        if self.config.head_dim not in PAGED_HEAD_DIMS:
             return False
         for plan in plans.values():
             rows = plan.decode[0] if len(plan.decode) == 1 and not plan.prefills else None

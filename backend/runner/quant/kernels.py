@@ -86,23 +86,23 @@ def _bits(weight: QuantizedWeight) -> int:
     return 4 if weight.kind == "int4" else 8
 
 
-_NONE = torch.empty(0)  # what the kernels take for an absent mins / bias tensor
+EMPTY = torch.empty(0)  # what the kernels take for an absent mins / bias tensor
 
 
 def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, gemv_rows: int | None = None
 ) -> torch.Tensor:
     """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype. Up to `gemv_rows`
-    rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs; int4 tiles' GEMV
-    runs at every row count while the GEMM would be float32's."""
+    rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs; a weight with
+    tiles takes the tiles' GEMV at every row count while the GEMM would be float32's."""
     lib = native() if x.is_cpu and x.dtype == torch.float32 else None
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
-    b = _NONE if bias is None else bias
+    b = EMPTY if bias is None else bias
     gemv = x.shape[0] <= (gemv_rows or GEMV_MAX_ROWS[weight.kind])
     if weight.tiles is not None and (gemv or gemm_dtype() == torch.float32):
         return lib.tiled_matmul(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
-    mins = _NONE if weight.mins is None else weight.mins
+    mins = EMPTY if weight.mins is None else weight.mins
     if gemv:
         if weight.group == BLOCK and activations() == "int8":
             return lib.quant_matmul_q8(x.contiguous(), weight.q, weight.scales, mins, b)
@@ -168,6 +168,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return None if lib is None else lib.decode_attention(q, keys, values, scale)
 
 
+PAGED_HEAD_DIMS = (32, 64, 128)  # the head sizes paged_decode_attention (and decode_layer) take
+
+
 def paged_decode_attention(
     q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, lens: torch.Tensor,
     block_size: int, scale: float, window: int | None,
@@ -177,7 +180,7 @@ def paged_decode_attention(
     up to `lens` [B] (the last `window` positions, with a sliding window): [B, H, D]; None
     where our kernel cannot run (the caller then gathers the contexts for SDPA)."""
     keys, values = kv
-    usable = q.is_cpu and q.dtype == torch.float32 == keys.dtype and q.shape[-1] in (32, 64, 128)
+    usable = q.is_cpu and q.dtype == torch.float32 == keys.dtype and q.shape[-1] in PAGED_HEAD_DIMS
     lib = native() if usable and keys.is_contiguous() and values.is_contiguous() else None
     if lib is None:
         return None

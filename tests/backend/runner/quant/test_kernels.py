@@ -58,6 +58,11 @@ def test_gemv_kernel_matches_its_reference(kind, group, symmetric, rows, with_bi
     weight = _weight(200, 384, kind, group, symmetric)  # 200: not a multiple of any tile
     if rows > kernels.GEMV_MAX_ROWS[kind]:
         pytest.skip(f"{kind} multiplies {rows} rows by the GEMM")
+    _check_quant_linear(weight, rows, with_bias)
+
+
+def _check_quant_linear(weight: QuantizedWeight, rows: int, with_bias: bool) -> None:
+    """quant_linear on `rows` rows of x (and a bias) against the reference, for a 200 x 384 weight."""
     x = torch.randn(rows, 384)
     bias = torch.randn(200) if with_bias else None
     got = kernels.quant_linear(x, weight, bias)
@@ -121,12 +126,7 @@ def _tiled(weight: QuantizedWeight) -> QuantizedWeight:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 48, 49, 100, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_gemv_matches_its_reference_at_every_row_count(kind, group, symmetric, rows, with_bias):
-    weight = _tiled(_weight(200, 384, kind, group, symmetric))
-    x = torch.randn(rows, 384)
-    bias = torch.randn(200) if with_bias else None
-    got = kernels.quant_linear(x, weight, bias)
-    assert got.shape == (rows, 200) and got.dtype == torch.float32
-    assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
+    _check_quant_linear(_tiled(_weight(200, 384, kind, group, symmetric)), rows, with_bias)
 
 
 @needs_kernels
