@@ -47,7 +47,7 @@ class TokenLookup:
         raise NotImplementedError
 
 
-def _occurrences(corpus: np.ndarray, tail: np.ndarray, limit: int) -> np.ndarray:
+def occurrences(corpus: np.ndarray, tail: np.ndarray, limit: int) -> np.ndarray:
     """Start positions i < limit where corpus[i : i + len(tail)] == tail."""
     if limit <= 0:
         return np.empty(0, dtype=np.int64)
@@ -68,7 +68,7 @@ class NgramProposer(TokenLookup):
         size = len(corpus)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             # an earlier occurrence, with at least one token after it
-            found = _occurrences(corpus, corpus[size - n :], size - n)
+            found = occurrences(corpus, corpus[size - n :], size - n)
             if len(found):
                 start = int(found[-1]) + n  # the latest occurrence: the nearest context
                 return corpus[start : start + k].tolist()
@@ -88,7 +88,7 @@ class PredictionProposer(TokenLookup):
             state.prediction_pos = 0
             return prediction[:k].tolist()
         for n in range(min(self.max_n, len(output)), self.min_n - 1, -1):
-            found = _occurrences(prediction, output[len(output) - n :], len(prediction) - n + 1)
+            found = occurrences(prediction, output[len(output) - n :], len(prediction) - n + 1)
             if len(found):
                 ends = found + n
                 ahead = ends[ends >= state.prediction_pos]  # keep the alignment moving forward

@@ -26,7 +26,7 @@ import numpy as np
 from backend.contract import GenerationRequest
 from backend.speculation.cost import StepCost
 from backend.speculation.model_proposers import DraftModelProposer, MtpProposer
-from backend.speculation.proposers import NgramProposer, PredictionProposer, Proposer, Want
+from backend.speculation.proposers import NgramProposer, PredictionProposer, Proposer, Want, occurrences
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 # a new sequence's acceptance is its proposer's rate over the sequences before it (weight
@@ -35,6 +35,7 @@ _PRIOR = {"prediction": 0.6, "ngram": 0.3, "draft": 0.6, "mtp": 0.6}
 _ALPHA = 0.2  # weight of each verified position in a sequence's running acceptance
 _RATE_ALPHA = 0.05
 _PROBE_EVERY = 16  # in auto mode, a sequence the cost model stopped drafts one token this often
+_REALIGN_N = (8, 2)  # usage's count re-aligns on the longest output suffix of 8..2 tokens found ahead
 
 
 @dataclass(slots=True)
@@ -47,7 +48,8 @@ class SpecState:
     prediction_pos: int = 0  # where in the prediction the latest draft started
     num_drafted: int = 0
     num_accepted: int = 0  # drafts the verify step took (the bonus token excluded)
-    num_prediction_matched: int = 0  # output tokens equal to the prediction where it was aligned
+    match_pos: int = 0  # usage's count: where in the prediction the next output token is compared
+    num_prediction_matched: int = 0  # usage's count: prediction tokens the output reproduced, in order
     place: Any = None  # where a model proposer's own KV stands (backend.speculation.model_proposers)
     idle_steps: int = 0  # sampling steps since its last draft (auto mode probes after _PROBE_EVERY)
 
@@ -171,24 +173,54 @@ class Speculator:
         for i in range(accepted):
             stats.accepted_per_pos[i] += 1
         if state.prediction is not None:
-            self._match_prediction(state, emitted)
+            _advance(state, emitted)
 
-    @staticmethod
-    def _match_prediction(state: SpecState, emitted: list[int]) -> None:
-        """Count the emitted tokens that equal the prediction from the draft's start on."""
-        prediction, pos = state.prediction, state.prediction_pos
-        for token in emitted:
-            if pos >= len(prediction) or prediction[pos] != token:
-                break
-            pos += 1
-        state.num_prediction_matched += pos - state.prediction_pos
-        state.prediction_pos = pos
+    def emitted(self, seq, tokens: list[int]) -> None:
+        """A step appended `tokens` to `seq`, drafted or not: count the prediction tokens
+        they reproduce (OpenAI's accepted_prediction_tokens). The count follows the
+        output alone, so the cost model's choice to draft or not never changes it."""
+        state = seq.spec
+        if state is None or state.prediction is None:
+            return
+        size = len(seq.token_ids)
+        for end in range(size - len(tokens) + 1, size + 1):
+            _match(state, seq.token_ids, seq.num_prompt_tokens, end)
+
+
+def _advance(state: SpecState, emitted: list[int]) -> None:
+    """Move the proposer's place past the emitted tokens that follow the prediction there."""
+    prediction, pos = state.prediction, state.prediction_pos
+    for token in emitted:
+        if pos >= len(prediction) or prediction[pos] != token:
+            break
+        pos += 1
+    state.prediction_pos = pos
+
+
+def _match(state: SpecState, tokens: list[int], output_start: int, end: int) -> None:
+    """Usage's count, for the output token at end - 1 of `tokens` (the output starts at
+    `output_start`): it matches the prediction at `match_pos`, or the output's suffix of
+    _REALIGN_N tokens there re-aligns the count further on, and the suffix's tokens from
+    `match_pos` on count. Forward only, so each prediction token counts at most once."""
+    prediction, pos = state.prediction, state.match_pos
+    if pos < len(prediction) and prediction[pos] == tokens[end - 1]:
+        state.match_pos, state.num_prediction_matched = pos + 1, state.num_prediction_matched + 1
+        return
+    longest, shortest = _REALIGN_N
+    for n in range(min(longest, end - output_start), shortest - 1, -1):
+        starts = occurrences(prediction, np.asarray(tokens[end - n : end], dtype=np.int64), len(prediction) - n + 1)
+        ahead = starts[starts + n > pos]  # the suffix's last token lands at or past the count's place
+        if len(ahead):
+            after = int(ahead[0]) + n
+            state.match_pos, state.num_prediction_matched = after, state.num_prediction_matched + min(n, after - pos)
+            return
 
 
 def prediction_counts(state: SpecState | None) -> tuple[int, int]:
     """A request's (accepted, rejected) prediction tokens, as OpenAI's usage defines them:
-    the prediction's tokens that the output matched where aligned, and the rest. (0, 0)
-    without a prediction; the engine-wide counters (SpecStats) count every proposer."""
+    the prediction's tokens that appeared in the output (matched in order, `_match`),
+    and the rest. (0, 0) without a prediction; the engine-wide counters (SpecStats)
+    count every proposer."""
     if state is None or state.prediction is None:
         return 0, 0
     matched = state.num_prediction_matched

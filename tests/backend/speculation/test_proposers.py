@@ -1,6 +1,8 @@
 """Where drafts come from: prompt lookup, Predicted Outputs, and the cost model that
 decides how many a step should verify."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,32 @@ def test_a_new_sequence_starts_from_its_proposers_rate_over_the_sequences_before
     later = spec.admit(GenerationRequest([1, 2, 3]))
     assert later.acceptance < 0.15  # drafts missed before: the next sequence does not start hopeful
     assert spec.admit(GenerationRequest([1, 2, 3], prediction_tokens=(4, 5))).acceptance == 0.6  # another proposer
+
+
+def _counted(prediction: list[int], output: list[int], steps: list[int]) -> int:
+    """OpenAI's accepted_prediction_tokens for `output`, appended `steps[i]` tokens a step."""
+    speculator = Speculator("auto", 4, 4096)
+    seq = SimpleNamespace(spec=_prediction_state(prediction), token_ids=[1, 2], num_prompt_tokens=2)
+    done = 0
+    for size in steps:
+        seq.token_ids += output[done : done + size]
+        speculator.emitted(seq, output[done : done + size])
+        done += size
+    assert done == len(output)
+    return seq.spec.num_prediction_matched
+
+
+@pytest.mark.parametrize("steps", [[1] * 7, [3, 1, 3], [7]], ids=["plain", "drafts", "one-step"])
+def test_usage_counts_the_prediction_tokens_the_output_reproduced_however_it_was_stepped(steps):
+    """An edit: 12 13 became 99; the 6 tokens around it appeared, whether drafted or not."""
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17]
+    assert _counted(prediction, [10, 11, 99, 14, 15, 16, 17], steps) == 6
+
+
+def test_usage_counts_each_prediction_token_once_and_only_in_order():
+    prediction = [10, 11, 12, 13]
+    assert _counted(prediction, [10, 11, 12, 13, 10, 11, 12, 13], [8]) == 4  # the output repeats it
+    assert _counted(prediction, [13, 12, 11, 10], [1] * 4) == 1  # reversed: one of them is in order
+    assert _counted(prediction, [5, 6, 7], [1] * 3) == 0
+    # a lone token found far ahead (3) does not move the count past what the output goes on to match
+    assert _counted([10, 11, 12, 13, 14, 3, 20], [10, 3, 11, 12, 13, 14], [1] * 6) == 5
