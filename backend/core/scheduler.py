@@ -247,7 +247,8 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         for item, tokens, out in zip(completing, appended, outputs, strict=True):
             if item.draft_tokens:  # each accepted draft took the loop one deeper
                 self.speculator.verified(item.seq, item.draft_tokens, len(tokens) - 1, tokens)
-            self.speculator.emitted(item.seq, tokens)
+            if item.seq.spec is not None:  # a prediction's usage count follows every token
+                self.speculator.emitted(item.seq, tokens)
             if item.seq.is_finished and out.final is None:  # after the step's accounting
                 out.final = final_event(item.seq, now)
         return outputs
