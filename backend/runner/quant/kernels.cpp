@@ -489,13 +489,16 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
                            int64_t num_kv_heads, double scale, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_matmul_q8", &quant_matmul_q8, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
-  m.def("tiled_matmul", &tiled_matmul, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
-  m.def("decode_layer", &decode_layer, "one decoder layer of a decode step, its linears tiles, x updated in place");
-  m.def("quant_matmul", &quant_matmul, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
-  m.def("dequant", &dequant, "dequant(W) [N, K], float32 or bf16");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [T, H]");
-  m.def("decode_attention", &decode_attention, "one query token's attention over consecutive cached keys");
-  m.def("paged_decode_attention", &paged_decode_attention,
+  // the GIL is released while a kernel runs: the stub's other threads (the sender's
+  // responses, Triton's requests) go on during a step
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("quant_matmul_q8", &quant_matmul_q8, nogil, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
+  m.def("tiled_matmul", &tiled_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
+  m.def("decode_layer", &decode_layer, nogil, "one decoder layer of a decode step, its linears tiles, x updated in place");
+  m.def("quant_matmul", &quant_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
+  m.def("dequant", &dequant, nogil, "dequant(W) [N, K], float32 or bf16");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row of float32 x [T, H]");
+  m.def("decode_attention", &decode_attention, nogil, "one query token's attention over consecutive cached keys");
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence, attending over its cached keys through its block table");
 }
