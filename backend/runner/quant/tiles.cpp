@@ -49,6 +49,43 @@ inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m
   }
 }
 
+// The sums of 4 accumulators' lanes, each added as _mm512_reduce_add_ps adds them (lane i
+// with i + 8, then i + 4, then i + 2, then i + 1), several accumulators per instruction:
+// 128-bit chunk c of the result holds accumulator c's partial sums.
+inline __m512 halve_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));  // i + 8
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // i + 4
+}
+
+// acc[t][r] of a tile's R rows (R <= 4) -> sums[t * 4 + r], each accumulator's lanes added in
+// _mm512_reduce_add_ps's order: bit for bit what reducing them one by one gives.
+template <int R>
+inline void reduce_tile(const __m512 (&acc)[kTile][R], float* sums) {
+  if constexpr (R == 1) {
+    const __m512 h = halve_four(acc[0][0], acc[1][0], acc[2][0], acc[3][0]);
+    const __m512 q = _mm512_add_ps(h, _mm512_shuffle_ps(h, h, _MM_SHUFFLE(1, 0, 3, 2)));  // i + 2
+    const __m512 o = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, _MM_SHUFFLE(2, 3, 0, 1)));  // i + 1
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, o);
+    for (int t = 0; t < kTile; ++t) sums[t * 4] = lanes[t * 4];
+  } else {
+    __m512 h[4];
+    for (int r = 0; r < 4; ++r) {
+      h[r] = r < R ? halve_four(acc[0][r], acc[1][r], acc[2][r], acc[3][r]) : _mm512_setzero_ps();
+    }
+    // chunk t of h[r]: accumulator (t, r)'s 4 partial sums [p0 p1 p2 p3]; p0 + p2, p1 + p3
+    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_ps(h[0], h[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(h[0], h[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_ps(h[2], h[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(h[2], h[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    // then their two halves: chunk t holds rows 0..3 of tile row t
+    const __m512 o = _mm512_add_ps(_mm512_shuffle_ps(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(sums, o);
+  }
+}
+
 // Outputs tile * 4 .. tile * 4 + 3 of R rows of x (x and y point at the first of them).
 template <bool kInt4, int R>
 inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
@@ -70,10 +107,12 @@ inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
       }
     }
   }
+  float sums[kTile * 4];  // [t * 4 + r]
+  reduce_tile<R>(acc, sums);
   for (int t = 0; t < kTile; ++t) {
     const int64_t n = tile * kTile + t;
     const float add = w.bias != nullptr ? w.bias[n] : 0.f;
-    for (int r = 0; r < R; ++r) y[r * w.N + n] = _mm512_reduce_add_ps(acc[t][r]) + add;
+    for (int r = 0; r < R; ++r) y[r * w.N + n] = sums[t * 4 + r] + add;
   }
 }
 
