@@ -372,10 +372,24 @@ inline float softmax_numerators(float* scores, int64_t L) {
 }
 
 // The row of KV head `kvh` at position `pos` of a sequence: its slot found through `table`.
-inline const float* slot_row(const float* base, const int64_t* table, int64_t pos, int64_t block_size, int64_t KV,
-                             int64_t kvh, int64_t D) {
-  const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-  return base + (slot * KV + kvh) * D;
+// Calls f(l, row) for l = 0 .. L - 1, row the cached row (of KV head kvh) of position
+// first + l, found through `table`: a block's rows one after another, one division a block.
+template <class F>
+inline void for_each_row(const float* base, const int64_t* table, int64_t block_size, int64_t first, int64_t L,
+                         int64_t KV, int64_t kvh, int64_t D, F&& f) {
+  for (int64_t l = 0; l < L;) {
+    const int64_t pos = first + l, offset = pos % block_size, n = std::min(block_size - offset, L - l);
+    const int64_t block = pos / block_size;
+    const float* row = base + ((table[block] * block_size + offset) * KV + kvh) * D;
+    if (l + n < L) {  // the next block's rows, wherever the table put it: no prefetcher guesses that
+      const char* next = reinterpret_cast<const char*>(base + (table[block + 1] * block_size * KV + kvh) * D);
+      const int64_t rows = std::min(block_size, L - l - n);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(next + i * KV * D * 4 + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i, ++l) f(l, row + i * KV * D);
+  }
 }
 
 // One (sequence, KV head) of paged_decode_attention: its G query heads over positions
@@ -386,8 +400,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
                 int64_t block_size, int64_t first, int64_t L, int64_t G, int64_t KV, int64_t kvh, float scale,
                 float* scores) {
   constexpr int64_t D = DV * 16;
-  for (int64_t l = 0; l < L; ++l) {
-    const float* kl = slot_row(kp, table, first + l, block_size, KV, kvh, D);
+  for_each_row(kp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const float* kl) {
     __m512 k[DV];
     for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(kl + d * 16);
     for (int64_t g = 0; g < G; ++g) {
@@ -395,7 +408,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
       for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * D + d * 16), k[d], acc);
       scores[g * L + l] = _mm512_reduce_add_ps(acc) * scale;
     }
-  }
+  });
   for (int64_t g0 = 0; g0 < G; g0 += GT) {
     const int64_t gn = std::min<int64_t>(GT, G - g0);
     __m512 acc[GT][DV];
@@ -404,8 +417,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
       inv[g] = g < gn ? 1.f / softmax_numerators(scores + (g0 + g) * L, L) : 0.f;
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
     }
-    for (int64_t l = 0; l < L; ++l) {
-      const float* vl = slot_row(vp, table, first + l, block_size, KV, kvh, D);
+    for_each_row(vp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const float* vl) {
       __m512 v[DV];
       for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vl + d * 16);
       for (int g = 0; g < GT; ++g) {
@@ -414,7 +426,7 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
           for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
         }
       }
-    }
+    });
     for (int g = 0; g < gn; ++g) {
       for (int d = 0; d < DV; ++d) {
         _mm512_storeu_ps(og + (g0 + g) * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv[g])));
