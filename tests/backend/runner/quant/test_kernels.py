@@ -10,6 +10,10 @@ checked against GGUF's Q4_1 block layout written out by hand.
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
@@ -135,6 +139,50 @@ def test_tiled_weights_of_a_wide_layer_are_read_in_chunks():
     weight = _tiled(_weight(64, 32768, "int4", 32, False))
     x = torch.randn(7, 32768)
     assert _relative_error(kernels.quant_linear(x, weight), _reference(x, weight, None)) < 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(kind):
+    """Passes of 1 to 4 rows reduce their accumulators differently (tiles.cpp `reduce_tile`)
+    but in the same order of additions: a sequence's logits never depend on its batch, so
+    a verify step's rows equal plain decoding's."""
+    weight = _tiled(_weight(96, 256, kind, 32, kind == "int8"))
+    x = torch.randn(13, 256)
+    together = kernels.quant_linear(x, weight)
+    for size in (1, 2, 3, 5):
+        for start in range(0, 13 - size + 1, size):
+            assert torch.equal(kernels.quant_linear(x[start : start + size], weight), together[start : start + size])
+
+
+@needs_kernels
+def test_a_kernel_lets_other_python_threads_run():
+    """The kernels release the GIL: in the model's stub the sender thread keeps sending while a
+    step computes. A thread stamps the time in a loop; during one long kernel call (~0.1 s),
+    stamps land inside the call, which the GIL held would forbid (but for a switch interval at
+    either end)."""
+    weight = _tiled(_weight(3072, 576, "int4", 32, False))
+    x = torch.randn(6144, 576)
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def stamp() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        start = time.perf_counter()
+        kernels.quant_linear(x, weight)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        thread.join()
+    margin = 2 * sys.getswitchinterval()
+    assert end - start > 4 * margin, "the call was too short to tell"
+    assert sum(start + margin < t < end - margin for t in stamps) > 100
 
 
 @needs_kernels
