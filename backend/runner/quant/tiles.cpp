@@ -14,12 +14,15 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
 constexpr int kTile = 4;       // output rows per tile (formats.TILE)
 constexpr int kPassRows = 4;   // rows of x per pass over a thread's tiles (4 x 4 accumulators)
 constexpr int64_t kChunkBytes = 256 << 10;  // a thread's tiles per round of passes: in its L2
+constexpr int64_t kGroupRows = 32;  // rows of x sharing a tile's decoded weights (32 x 1536 floats: 192 KB of L2)
+constexpr int64_t kGroupFrom = 128;  // rows of x from which the tiles are decoded once a group (a prefill chunk)
 
 struct Tiles {
   const uint8_t* data;   // [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
@@ -87,11 +90,10 @@ inline void reduce_tile(const __m512 (&acc)[kTile][R], float* sums) {
 }
 
 // Outputs tile * 4 .. tile * 4 + 3 of R rows of x (x and y point at the first of them).
-template <bool kInt4, int R>
-inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
-  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
-  const uint8_t* data = w.data + tile * w.blocks * kBlockBytes;
-  const float* params = w.params + tile * w.blocks * 2 * kTile;
+// `weights(b, t, lo, hi)` gives block b of tile row t as float32: decoded from the tile
+// (one pass of rows: tile_dot) or read back from the tile decoded once (decoded_dot).
+template <int R, class Weights>
+inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&& weights) {
   __m512 acc[kTile][R];
   for (int t = 0; t < kTile; ++t) {
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -99,7 +101,7 @@ inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int t = 0; t < kTile; ++t) {
       __m512 lo, hi;
-      decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+      weights(b, t, lo, hi);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * w.K + b * 32;
         acc[t][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t][r]);
@@ -116,18 +118,77 @@ inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
   }
 }
 
-template <bool kInt4, int R>
-void tiles_dot(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y) {
-  for (int64_t tile = begin; tile < end; ++tile) tile_dot<kInt4, R>(w, tile, x, y);
+template <bool kInt4>
+inline const uint8_t* tile_data(const Tiles& w, int64_t tile) {
+  return w.data + tile * w.blocks * kTile * (kInt4 ? 16 : 32);
 }
 
+template <bool kInt4, int R>
+inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
+  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  const uint8_t* data = tile_data<kInt4>(w, tile);
+  const float* params = w.params + tile * w.blocks * 2 * kTile;
+  dot<R>(w, tile, x, y, [&](int64_t b, int t, __m512& lo, __m512& hi) {
+    decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+  });
+}
+
+// A tile's weights decoded once, [blocks][4][32] floats, for every pass of a group of rows.
+template <bool kInt4>
+inline void decode_tile(const Tiles& w, int64_t tile, float* out) {
+  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  const uint8_t* data = tile_data<kInt4>(w, tile);
+  const float* params = w.params + tile * w.blocks * 2 * kTile;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    for (int t = 0; t < kTile; ++t) {
+      __m512 lo, hi;
+      decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+      _mm512_storeu_ps(out + (b * kTile + t) * 32, lo);
+      _mm512_storeu_ps(out + (b * kTile + t) * 32 + 16, hi);
+    }
+  }
+}
+
+template <int R>
+inline void decoded_dot(const Tiles& w, int64_t tile, const float* decoded, const float* x, float* y) {
+  dot<R>(w, tile, x, y, [&](int64_t b, int t, __m512& lo, __m512& hi) {
+    lo = _mm512_loadu_ps(decoded + (b * kTile + t) * 32);
+    hi = _mm512_loadu_ps(decoded + (b * kTile + t) * 32 + 16);
+  });
+}
+
+// Rows r0 .. r0 + rows - 1 of x (at most kPassRows) through tiles begin .. end - 1.
 template <bool kInt4>
 void pass(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, int64_t rows) {
-  switch (rows) {
-    case 1: return tiles_dot<kInt4, 1>(w, begin, end, x, y);
-    case 2: return tiles_dot<kInt4, 2>(w, begin, end, x, y);
-    case 3: return tiles_dot<kInt4, 3>(w, begin, end, x, y);
-    default: return tiles_dot<kInt4, 4>(w, begin, end, x, y);
+  for (int64_t tile = begin; tile < end; ++tile) {
+    switch (rows) {
+      case 1: tile_dot<kInt4, 1>(w, tile, x, y); break;
+      case 2: tile_dot<kInt4, 2>(w, tile, x, y); break;
+      case 3: tile_dot<kInt4, 3>(w, tile, x, y); break;
+      default: tile_dot<kInt4, 4>(w, tile, x, y); break;
+    }
+  }
+}
+
+// A prefill's many rows: each tile decoded once for a group of up to kGroupRows rows (their x
+// stays in L2), its passes reading the floats back from L1; the arithmetic is the same, bit
+// for bit. 512 rows measured 1.07x the passes that decode as they go; up to 64 rows no faster
+// (8 rows 0.7x: a pass over decoded floats costs about what decoding as it goes does there).
+template <bool kInt4>
+void grouped_passes(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, int64_t rows,
+                    float* decoded) {
+  for (int64_t tile = begin; tile < end; ++tile) {
+    decode_tile<kInt4>(w, tile, decoded);
+    for (int64_t r0 = 0; r0 < rows; r0 += kPassRows) {
+      const float* xr = x + r0 * w.K;
+      float* yr = y + r0 * w.N;
+      switch (std::min<int64_t>(kPassRows, rows - r0)) {
+        case 1: decoded_dot<1>(w, tile, decoded, xr, yr); break;
+        case 2: decoded_dot<2>(w, tile, decoded, xr, yr); break;
+        case 3: decoded_dot<3>(w, tile, decoded, xr, yr); break;
+        default: decoded_dot<4>(w, tile, decoded, xr, yr); break;
+      }
+    }
   }
 }
 
@@ -154,13 +215,24 @@ torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor pa
   // find it in the core's L2 (the prefill's many rows included).
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + 2 * kTile * 4)));
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> decoded(M >= kGroupFrom ? static_cast<size_t>(blocks * kTile * 32) : 0);
     for (int64_t from = begin; from < end; from += chunk) {
       const int64_t to = std::min(end, from + chunk);
-      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
-        const float* xr = xp + r0 * K;
-        float* yr = yp + r0 * N;
-        const int64_t rows = std::min<int64_t>(kPassRows, M - r0);
-        int4 ? pass<true>(w, from, to, xr, yr, rows) : pass<false>(w, from, to, xr, yr, rows);
+      if (M < kGroupFrom) {
+        for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
+          const float* xr = xp + r0 * K;
+          float* yr = yp + r0 * N;
+          const int64_t rows = std::min<int64_t>(kPassRows, M - r0);
+          int4 ? pass<true>(w, from, to, xr, yr, rows) : pass<false>(w, from, to, xr, yr, rows);
+        }
+        continue;
+      }
+      for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
+        const float* xg = xp + g0 * K;
+        float* yg = yp + g0 * N;
+        const int64_t rows = std::min<int64_t>(kGroupRows, M - g0);
+        int4 ? grouped_passes<true>(w, from, to, xg, yg, rows, decoded.data())
+             : grouped_passes<false>(w, from, to, xg, yg, rows, decoded.data());
       }
     }
   });

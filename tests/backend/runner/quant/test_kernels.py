@@ -144,14 +144,15 @@ def test_tiled_weights_of_a_wide_layer_are_read_in_chunks():
 @needs_kernels
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(kind):
-    """Passes of 1 to 4 rows reduce their accumulators differently (tiles.cpp `reduce_tile`)
-    but in the same order of additions: a sequence's logits never depend on its batch, so
-    a verify step's rows equal plain decoding's."""
+    """Passes of 1 to 4 rows reduce their accumulators differently (tiles.cpp `reduce_tile`),
+    and a prefill's many rows read the tiles decoded once (`grouped_passes`), all in the
+    same order of additions: a sequence's logits never depend on its batch, so a verify
+    step's rows equal plain decoding's."""
     weight = _tiled(_weight(96, 256, kind, 32, kind == "int8"))
-    x = torch.randn(13, 256)
+    x = torch.randn(150, 256)
     together = kernels.quant_linear(x, weight)
-    for size in (1, 2, 3, 5):
-        for start in range(0, 13 - size + 1, size):
+    for size in (1, 2, 3, 5, 130):
+        for start in range(0, 150 - size + 1, size):
             assert torch.equal(kernels.quant_linear(x[start : start + size], weight), together[start : start + size])
 
 
