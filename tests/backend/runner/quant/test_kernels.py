@@ -159,11 +159,14 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(kind):
 @needs_kernels
 def test_a_kernel_lets_other_python_threads_run():
     """The kernels release the GIL: in the model's stub the sender thread keeps sending while a
-    step computes. A thread stamps the time in a loop; during one long kernel call (~0.1 s),
-    stamps land inside the call, which the GIL held would forbid (but for a switch interval at
+    step computes. A thread stamps the time in a loop; during one long kernel call, stamps
+    land inside the call, which the GIL held would forbid (but for a switch interval at
     either end)."""
     weight = _tiled(_weight(3072, 576, "int4", 32, False))
-    x = torch.randn(6144, 576)
+    margin = 2 * sys.getswitchinterval()
+    x = torch.randn(2048, 576)
+    while _timed(lambda: kernels.quant_linear(x, weight)) < 8 * margin and len(x) < 65536:
+        x = torch.cat([x, x])  # long enough to tell on any CPU
     stamps: list[float] = []
     done = threading.Event()
 
@@ -181,9 +184,14 @@ def test_a_kernel_lets_other_python_threads_run():
     finally:
         done.set()
         thread.join()
-    margin = 2 * sys.getswitchinterval()
     assert end - start > 4 * margin, "the call was too short to tell"
     assert sum(start + margin < t < end - margin for t in stamps) > 100
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 @needs_kernels
