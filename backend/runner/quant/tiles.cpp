@@ -118,31 +118,35 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
   }
 }
 
+// A tile's blocks, decoded one (block, tile row) at a time: dot's weights for tile_dot, and
+// decode_tile's source.
 template <bool kInt4>
-inline const uint8_t* tile_data(const Tiles& w, int64_t tile) {
-  return w.data + tile * w.blocks * kTile * (kInt4 ? 16 : 32);
-}
+struct TileDecoder {
+  static constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  const uint8_t* data;
+  const float* params;
+
+  TileDecoder(const Tiles& w, int64_t tile)
+      : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * 2 * kTile) {}
+
+  void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
+    decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+  }
+};
 
 template <bool kInt4, int R>
 inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
-  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
-  const uint8_t* data = tile_data<kInt4>(w, tile);
-  const float* params = w.params + tile * w.blocks * 2 * kTile;
-  dot<R>(w, tile, x, y, [&](int64_t b, int t, __m512& lo, __m512& hi) {
-    decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
-  });
+  dot<R>(w, tile, x, y, TileDecoder<kInt4>(w, tile));
 }
 
 // A tile's weights decoded once, [blocks][4][32] floats, for every pass of a group of rows.
 template <bool kInt4>
 inline void decode_tile(const Tiles& w, int64_t tile, float* out) {
-  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
-  const uint8_t* data = tile_data<kInt4>(w, tile);
-  const float* params = w.params + tile * w.blocks * 2 * kTile;
+  const TileDecoder<kInt4> weights(w, tile);
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int t = 0; t < kTile; ++t) {
       __m512 lo, hi;
-      decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+      weights(b, t, lo, hi);
       _mm512_storeu_ps(out + (b * kTile + t) * 32, lo);
       _mm512_storeu_ps(out + (b * kTile + t) * 32 + 16, hi);
     }
