@@ -177,7 +177,8 @@ class EngineThread:
                 return
             if self._engine.has_unfinished_requests() and not self._stalled:
                 self._step()
-            self._take_snapshot()
+            else:
+                self._take_snapshot()
             if self._kv_events is not None:
                 self._kv_events.publish(self._engine.take_kv_events())
 
@@ -201,7 +202,8 @@ class EngineThread:
             log.exception("engine step failed")
             self._fail_in_flight(EngineStepError(f"the engine failed: {type(exc).__name__}: {exc}"))
             self._stalled = True
-            return
+            outputs = []
+        self._take_snapshot()  # before the outputs go: a finished request is in the figures its answer follows
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

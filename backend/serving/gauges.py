@@ -74,11 +74,12 @@ class Gauges:
         self._pending_responses += 1
         self._pending_tokens += tokens
 
-    def publish(self, snapshot: EngineSnapshot, in_flight: int) -> None:
-        now = time.monotonic()
-        if now < self._next:
+    def publish(self, snapshot: EngineSnapshot, in_flight: int, now: bool = False) -> None:
+        """At most every `every_s`, unless `now`."""
+        clock = time.monotonic()
+        if clock < self._next and not now:
             return
-        self._next = now + self._every_s
+        self._next = clock + self._every_s
         state = (
             snapshot.kv_blocks_used,
             snapshot.kv_blocks_total,

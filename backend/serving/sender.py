@@ -44,15 +44,27 @@ class SenderLoop:
         """Until the registry is closed and nothing ready is left."""
         while True:
             packets = self.live.take(self.idle_wake_s)
+            finals = any(packet.is_last for packet in packets)
+            if finals:  # the figures go before the finals: whoever has a whole answer finds it counted
+                self._bookkeep(packets, now=True)
             for packet in packets:
                 self._send(packet)
-            try:
-                self._check_cancelled()
-                self.gauges.publish(self.engine.snapshot, len(self.live))
-            except Exception:  # never let bookkeeping stop the sending
-                log.exception("sender bookkeeping failed")
+            if not finals:
+                self._bookkeep(packets, now=False)
             if self.live.closed and not packets:
                 return
+
+    def _bookkeep(self, packets: list[Packet], now: bool) -> None:
+        """Count `packets`' responses, check cancellations and publish the gauges (at
+        once when `now`, else at most every Gauges.every_s)."""
+        try:
+            for packet in packets:
+                if packet.error is None:
+                    self.gauges.count(len(packet.output.token_ids))
+            self._check_cancelled()
+            self.gauges.publish(self.engine.snapshot, len(self.live), now=now)
+        except Exception:  # never let bookkeeping stop the sending
+            log.exception("sender bookkeeping failed")
 
     def abort_all(self) -> None:
         """Abort every live request (a drain); their finals are sent as they come."""
@@ -65,7 +77,6 @@ class SenderLoop:
             self.responder.send_error(packet.sender, packet.error)
             return
         self.responder.send_output(packet.sender, packet.output)
-        self.gauges.count(len(packet.output.token_ids))
 
     def _check_cancelled(self) -> None:
         now = time.monotonic()

@@ -222,6 +222,7 @@ class FakeEngine:
         self.prepared_on: list[int] = []
         self.fail_next_step = False
         self.steps = 0
+        self.emitted = 0  # tokens over all requests: a figure each step changes, in spec_stats
         self.total = blocks
         self.thread_ids: set[int] = set()
 
@@ -266,6 +267,7 @@ class FakeEngine:
                 outs.append(RequestOutput(rid, [], final=_final(len(tokens), FinishReason.ABORT)))
             else:
                 tokens.append(len(tokens))
+                self.emitted += 1
                 done = len(tokens) >= self.limits[rid]
                 outs.append(RequestOutput(rid, [tokens[-1]], final=_final(len(tokens)) if done else None))
                 if not done:
@@ -289,7 +291,7 @@ class FakeEngine:
     num_preemptions = 0
 
     def spec_stats(self) -> SpecStats:
-        return SpecStats()
+        return SpecStats(num_accepted_tokens=self.emitted)
 
     def num_running(self) -> int:
         return len(self.requests)
@@ -592,14 +594,14 @@ class FakeResponder:
 class Serving:
     """The model's threads as model.py wires them, minus Triton."""
 
-    def __init__(self):
+    def __init__(self, gauges_every_s: float = 0.0):
         self.pipe = Pipeline(FakeEngine())
         self.metrics = FakeMetrics()
         self.loop = SenderLoop(
             self.pipe.live,
             FakeResponder(),
             self.pipe.thread,
-            Gauges(self.metrics, every_s=0.0),
+            Gauges(self.metrics, every_s=gauges_every_s),
             cancel_check_s=0.01,
             idle_wake_s=0.01,
         )
@@ -647,6 +649,21 @@ def test_sender_loop_sends_every_token_with_the_final_flag_on_the_last(serving):
     serving.wait_for(lambda: sum(v for _, v in serving.metrics.made["llm_generated_tokens_total"].calls) == 9)
     responses = sum(v for _, v in serving.metrics.made["llm_responses_total"].calls)
     assert responses == len(streamed.outputs) + 1
+
+
+def test_a_final_goes_out_after_the_figures_that_count_it():
+    """Gauges throttled to once a minute: still, whoever has a whole answer finds its
+    tokens (and the engine's figures of its last step) already published."""
+    serving = Serving(gauges_every_s=60.0)
+    try:
+        for rid, max_tokens in (("a", 5), ("b", 3)):
+            sender = serving.pipe.submit(rid, [1], max_tokens=max_tokens)
+            serving.wait_for(lambda sender=sender: _finished(sender))
+            total = lambda name: sum(v for _, v in serving.metrics.made[name].calls)  # noqa: E731
+            assert total("llm_generated_tokens_total") == serving.pipe.engine.emitted
+            assert total("llm_spec_decode_num_accepted_tokens_total") == serving.pipe.engine.emitted
+    finally:
+        serving.stop()
 
 
 def test_a_failed_request_gets_its_error_as_the_last_response(serving):
