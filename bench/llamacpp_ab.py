@@ -7,6 +7,7 @@ and each measurement runs on one, then on the other, `--rounds` times: one strea
 decode rate, then N streams' aggregate rate, with the same prompts and client code.
 
     LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
+        [--kv-cache-dtype auto | float16]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--quant", default="int4")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE of our server")
     args = parser.parse_args()
     binary = llamacpp.server_binary()
     if binary is None:
@@ -35,7 +37,7 @@ def main() -> None:
 
     model_path = str(ensure_default_model())
     prompts = prompts_for(AutoTokenizer.from_pretrained(model_path), max(args.streams, args.rounds))
-    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant}
+    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant, "KV_CACHE_DTYPE": args.kv_cache_dtype}
     with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path())) as llama_url:
         ours = (stack.base_url.removesuffix("/v1"), stack.served_model_name)
         theirs = (llama_url, "llama")

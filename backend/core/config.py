@@ -40,6 +40,9 @@ class EngineConfig:
     quant_group: int = 32
     quant_symmetric: bool = False
     encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
+    # the KV cache's element type: auto (the model's dtype) | float16 (half the bytes a step
+    # reads past the weights; attention still computes in the model's dtype)
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -77,6 +80,7 @@ class EngineConfig:
         cfg.quant = env.get("QUANT") or "auto"
         cfg.quant_symmetric = env.get("QUANT_SYMMETRIC", "0") not in ("0", "false", "no", "")
         cfg.scheduling_policy = env.get("SCHEDULING_POLICY") or cfg.scheduling_policy
+        cfg.kv_cache_dtype = env.get("KV_CACHE_DTYPE") or cfg.kv_cache_dtype
         cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None
         cfg.lora_modules = env.get("LORA_MODULES", "").strip()
         cfg.active_lora = env.get("ACTIVE_LORA", "").strip()

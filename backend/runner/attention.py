@@ -174,8 +174,8 @@ def _prefill_chunk(batch: ForwardBatch, i: int, block_size: int, sliding_window:
 def write_kv(kv_cache: torch.Tensor | PagedKv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]
     kv = kv_cache if isinstance(kv_cache, PagedKv) else paged_kv(kv_cache)
-    kv.keys.index_copy_(0, slot_mapping, k)
-    kv.values.index_copy_(0, slot_mapping, v)
+    kv.keys.index_copy_(0, slot_mapping, k.to(kv.keys.dtype))  # KV_CACHE_DTYPE=float16: rounded here
+    kv.values.index_copy_(0, slot_mapping, v.to(kv.values.dtype))
 
 
 def paged_attention(
@@ -237,7 +237,7 @@ def _decode_attention(q: torch.Tensor, kv: PagedKv, rows: DecodeRows, scale: flo
         k, v = (half[first : first + length].unsqueeze(0).transpose(1, 2) for half in (kv.keys, kv.values))
     else:
         k, v = (_gather(half, rows.slots, num_seqs, num_kv_heads) for half in (kv.key_rows, kv.value_rows))
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows.mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=rows.mask, scale=scale)
     if n == 1:
         return out.reshape(num_seqs, num_heads, head_dim)  # a view when SDPA's output allows
     out = out.view(num_seqs, num_kv_heads, n, group, head_dim).transpose(1, 2)
@@ -265,7 +265,7 @@ def _prefill_attention(
         k_seq, v_seq = k[chunk.start : chunk.end], v[chunk.start : chunk.end]  # [Tq, KV, D]
     else:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, chunk.slots)
+        kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, chunk.slots).to(q.dtype)
         k_seq, v_seq = kv[0], kv[1]  # [L, KV, D]
     out = F.scaled_dot_product_attention(
         q_seq,

@@ -42,12 +42,23 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+KV_CACHE_DTYPES = ("auto", "float16")
+
+
+def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's (auto), or float16."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV_CACHE_DTYPE must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}")
+    return torch.float16 if config.kv_cache_dtype == "float16" else dtype
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)  # the target's layers; MTP's and a draft's: dtype
         self.block_size = config.block_size
         quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric)
         self.model = load_model(config.model_path, self.dtype, self.device, quant)
@@ -55,7 +66,7 @@ class ModelRunner:
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         mc = self.model_config
-        self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
@@ -80,7 +91,9 @@ class ModelRunner:
         """Blocks the pool holds: each block's keys in every layer, the MTP layers' and
         the draft model's included."""
         mc, bs = self.model_config, self.block_size
-        per_block = kv_block_bytes(mc, mc.num_layers + mc.num_mtp_layers, bs, self.dtype)
+        per_block = kv_block_bytes(mc, mc.num_layers, bs, self.kv_dtype) + kv_block_bytes(
+            mc, mc.num_mtp_layers, bs, self.dtype
+        )
         if self.draft is not None:
             per_block += self.draft.block_bytes(bs, self.dtype)
         num_blocks = kv_cache_bytes // per_block

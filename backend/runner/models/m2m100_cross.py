@@ -138,8 +138,8 @@ def _rows_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: CrossRows, sc
     padded = q if rows.pad_rows is None else q.index_select(0, rows.pad_rows)
     padded = padded.view(rows.num_seqs, rows.query_len, num_heads, head_dim).transpose(1, 2)
     flat = kv_cache.view(2, -1, num_heads * head_dim)
-    k, v = (flat[i].index_select(0, rows.slots).view(rows.num_seqs, -1, num_heads, head_dim).transpose(1, 2)
-            for i in (0, 1))  # fmt: skip
+    k, v = (flat[i].index_select(0, rows.slots).to(q.dtype).view(rows.num_seqs, -1, num_heads, head_dim)
+            .transpose(1, 2) for i in (0, 1))  # fmt: skip
     out = F.scaled_dot_product_attention(padded, k, v, attn_mask=rows.mask, scale=scale)
     out = out.transpose(1, 2).reshape(rows.num_seqs * rows.query_len, num_heads, head_dim)
     return out if rows.keep is None else out.index_select(0, rows.keep)
@@ -148,6 +148,6 @@ def _rows_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: CrossRows, sc
 def _chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     # q: [Tq, H, D] over one source's k, v: [H, S, D]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv = kv_cache.view(2, -1, num_heads, head_dim).index_select(1, slots).transpose(1, 2)  # [2, H, S, D]
+    kv = kv_cache.view(2, -1, num_heads, head_dim).index_select(1, slots).to(q.dtype).transpose(1, 2)  # [2, H, S, D]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), kv[0], kv[1], scale=scale)
     return out.transpose(0, 1)

@@ -10,6 +10,7 @@
 // written out here: x * cos + rotate_half(x) * sin, g / (1 + exp(-g)) * u).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <vector>
@@ -56,6 +57,20 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return act;
 }
 
+// n values of `row` into `cache` (flat) from element `at`: copied into a float32 cache,
+// rounded to the nearest float16 (ties to even, as torch's .to(float16)) into a float16 one.
+void store_kv(torch::Tensor& cache, int64_t at, const float* row, int64_t n) {
+  if (cache.scalar_type() == torch::kFloat32) {
+    std::copy(row, row + n, cache.data_ptr<float>() + at);
+    return;
+  }
+  auto* out = static_cast<uint16_t*>(cache.data_ptr()) + at;
+  for (int64_t i = 0; i < n; i += 16) {  // n: KV * head_dim, a multiple of 16
+    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(row + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+  }
+}
+
 }  // namespace
 
 // x [T, hidden] float32 contiguous, updated in place and returned. cos, sin [T, D]; keys,
@@ -69,6 +84,8 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: float32 [T, hidden]");
   const int64_t T = x.size(0), D = keys.size(2), H = num_heads, KV = num_kv_heads;
   TORCH_CHECK(keys.size(1) == KV && keys.is_contiguous() && values.is_contiguous(), "keys, values: [S, KV, D]");
+  TORCH_CHECK((keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kFloat16) &&
+                  values.scalar_type() == keys.scalar_type(), "keys, values: float32 or float16");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D, "cos, sin");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_contiguous(), "slots: int64 [T]");
   const int64_t width = (H + 2 * KV) * D, num_slots = keys.size(0);
@@ -78,12 +95,11 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
   float* qp = qkv.data_ptr<float>();
   rope(qp, T, width, H + KV, D, cos.data_ptr<float>(), sin.data_ptr<float>());
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "a slot outside the cache");
     const float* row = qp + t * width;
-    std::copy(row + H * D, row + (H + KV) * D, kp + sp[t] * KV * D);
-    std::copy(row + (H + KV) * D, row + width, vp + sp[t] * KV * D);
+    store_kv(keys, sp[t] * KV * D, row + H * D, KV * D);
+    store_kv(values, sp[t] * KV * D, row + (H + KV) * D, KV * D);
   }
   torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
   torch::Tensor attn = paged_decode_attention(q, keys, values, tables, lens, block_size, scale, window);

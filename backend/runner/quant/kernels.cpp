@@ -371,21 +371,27 @@ inline float softmax_numerators(float* scores, int64_t L) {
   return _mm512_reduce_add_ps(total);
 }
 
+// 16 cached values as float32: a float32 cache's as they are, a float16 cache's
+// (KV_CACHE_DTYPE=float16, stored as uint16_t) widened, which is exact.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // The row of KV head `kvh` at position `pos` of a sequence: its slot found through `table`.
 // Calls f(l, row) for l = 0 .. L - 1, row the cached row (of KV head kvh) of position
 // first + l, found through `table`: a block's rows one after another, one division a block.
-template <class F>
-inline void for_each_row(const float* base, const int64_t* table, int64_t block_size, int64_t first, int64_t L,
+template <class T, class F>
+inline void for_each_row(const T* base, const int64_t* table, int64_t block_size, int64_t first, int64_t L,
                          int64_t KV, int64_t kvh, int64_t D, F&& f) {
+  constexpr int64_t kBytes = sizeof(T);
   for (int64_t l = 0; l < L;) {
     const int64_t pos = first + l, offset = pos % block_size, n = std::min(block_size - offset, L - l);
     const int64_t block = pos / block_size;
-    const float* row = base + ((table[block] * block_size + offset) * KV + kvh) * D;
+    const T* row = base + ((table[block] * block_size + offset) * KV + kvh) * D;
     if (l + n < L) {  // the next block's rows, wherever the table put it: no prefetcher guesses that
       const char* next = reinterpret_cast<const char*>(base + (table[block + 1] * block_size * KV + kvh) * D);
       const int64_t rows = std::min(block_size, L - l - n);
       for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(next + i * KV * D * 4 + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < D * kBytes; b += 64) _mm_prefetch(next + i * KV * D * kBytes + b, _MM_HINT_T0);
       }
     }
     for (int64_t i = 0; i < n; ++i, ++l) f(l, row + i * KV * D);
@@ -395,14 +401,14 @@ inline void for_each_row(const float* base, const int64_t* table, int64_t block_
 // One (sequence, KV head) of paged_decode_attention: its G query heads over positions
 // first .. first + L - 1, found through `table`. DV: head_dim / 16; GT query heads share
 // each loaded value row, their DV * GT accumulators in registers.
-template <int DV, int GT>
-void attend_one(const float* qg, float* og, const float* kp, const float* vp, const int64_t* table,
+template <int DV, int GT, class T>
+void attend_one(const float* qg, float* og, const T* kp, const T* vp, const int64_t* table,
                 int64_t block_size, int64_t first, int64_t L, int64_t G, int64_t KV, int64_t kvh, float scale,
                 float* scores) {
   constexpr int64_t D = DV * 16;
-  for_each_row(kp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const float* kl) {
+  for_each_row(kp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const T* kl) {
     __m512 k[DV];
-    for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(kl + d * 16);
+    for (int d = 0; d < DV; ++d) k[d] = load16(kl + d * 16);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg + g * D), k[0]);
       for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * D + d * 16), k[d], acc);
@@ -417,9 +423,9 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
       inv[g] = g < gn ? 1.f / softmax_numerators(scores + (g0 + g) * L, L) : 0.f;
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
     }
-    for_each_row(vp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const float* vl) {
+    for_each_row(vp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const T* vl) {
       __m512 v[DV];
-      for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vl + d * 16);
+      for (int d = 0; d < DV; ++d) v[d] = load16(vl + d * 16);
       for (int g = 0; g < GT; ++g) {
         if (g < gn) {
           const __m512 w = _mm512_set1_ps(scores[(g0 + g) * L + l]);
@@ -435,21 +441,50 @@ void attend_one(const float* qg, float* og, const float* kp, const float* vp, co
   }
 }
 
+// paged_decode_attention's tasks, one per (sequence, KV head), over a cache of T (float32
+// or float16's bits): each reads its rows in place and computes in float32.
+template <class T>
+void attend_paged(const float* qp, float* op, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp,
+                  int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_blocks, int64_t block_size, float scale,
+                  int64_t window) {
+  const int64_t G = H / KV;
+  auto tasks = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KV, kvh = task % KV, length = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, L = length - first;
+      const int64_t* table = tp + b * max_blocks;
+      const float* qg = qp + (b * H + kvh * G) * D;  // the G query heads of this KV head
+      float* og = op + (b * H + kvh * G) * D;
+      scores.resize(static_cast<size_t>(G * L));
+      if (D == 32) attend_one<2, 8>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scale, scores.data());
+      if (D == 64) attend_one<4, 4>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scale, scores.data());
+      if (D == 128) attend_one<8, 2>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scale, scores.data());
+    }
+  };
+  if (B * KV < 4) {
+    tasks(0, B * KV);
+  } else {
+    at::parallel_for(0, B * KV, 1, tasks);
+  }
+}
+
 // One query token for each of B sequences against its cached keys / values, read in place
 // through its block table: no gather into a padded copy, no mask, no work past a
 // sequence's own length. q: [B, H, D]; keys, values: [num_slots, KV, D] (a layer's flat
-// slot views); block_tables: [B, max_blocks] int64; context_lens: [B] int64; `window` > 0
-// keeps each query's last `window` positions (a sliding window). One task per (sequence,
-// KV head). head_dim 32, 64 or 128. -> [B, H, D] float32.
+// slot views, float32 or float16); block_tables: [B, max_blocks] int64; context_lens: [B]
+// int64; `window` > 0 keeps each query's last `window` positions (a sliding window). One
+// task per (sequence, KV head). head_dim 32, 64 or 128. -> [B, H, D] float32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [B, H, D]; keys [S, KV, D]");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous operands");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32 &&
-                  values.scalar_type() == torch::kFloat32, "float32");
+  const bool half = keys.scalar_type() == torch::kFloat16;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (half || keys.scalar_type() == torch::kFloat32) &&
+                  values.scalar_type() == keys.scalar_type(), "q float32; keys, values float32 or float16");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64, "int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1), G = H / KV;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
   TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && keys.size(2) == D,
               "head_dim 32, 64 or 128; H a multiple of KV");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B, "one row a sequence");
@@ -464,27 +499,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch:
     }
   }
   torch::Tensor out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float scl = static_cast<float>(scale);
-  auto tasks = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KV, kvh = task % KV, length = lp[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, L = length - first;
-      const int64_t* table = tp + b * max_blocks;
-      const float* qg = qp + (b * H + kvh * G) * D;  // the G query heads of this KV head
-      float* og = op + (b * H + kvh * G) * D;
-      scores.resize(static_cast<size_t>(G * L));
-      if (D == 32) attend_one<2, 8>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
-      if (D == 64) attend_one<4, 4>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
-      if (D == 128) attend_one<8, 2>(qg, og, kp, vp, table, block_size, first, L, G, KV, kvh, scl, scores.data());
-    }
-  };
-  if (B * KV < 4) {
-    tasks(0, B * KV);
+  if (half) {
+    attend_paged(q.data_ptr<float>(), out.data_ptr<float>(), static_cast<const uint16_t*>(keys.data_ptr()),
+                 static_cast<const uint16_t*>(values.data_ptr()), tp, lp, B, H, KV, D, max_blocks, block_size, scl,
+                 window);
   } else {
-    at::parallel_for(0, B * KV, 1, tasks);
+    attend_paged(q.data_ptr<float>(), out.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), tp, lp,
+                 B, H, KV, D, max_blocks, block_size, scl, window);
   }
   return out;
 }

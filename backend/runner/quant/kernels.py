@@ -169,6 +169,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 PAGED_HEAD_DIMS = (32, 64, 128)  # the head sizes paged_decode_attention (and decode_layer) take
+KV_KERNEL_DTYPES = (torch.float32, torch.float16)  # the caches they read (KV_CACHE_DTYPE)
 
 
 def paged_decode_attention(
@@ -180,7 +181,7 @@ def paged_decode_attention(
     up to `lens` [B] (the last `window` positions, with a sliding window): [B, H, D]; None
     where our kernel cannot run (the caller then gathers the contexts for SDPA)."""
     keys, values = kv
-    usable = q.is_cpu and q.dtype == torch.float32 == keys.dtype and q.shape[-1] in PAGED_HEAD_DIMS
+    usable = q.is_cpu and q.dtype == torch.float32 and keys.dtype in KV_KERNEL_DTYPES and q.shape[-1] in PAGED_HEAD_DIMS
     lib = native() if usable and keys.is_contiguous() and values.is_contiguous() else None
     if lib is None:
         return None

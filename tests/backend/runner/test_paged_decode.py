@@ -109,3 +109,39 @@ def test_paged_attention_with_the_kernel_matches_the_gather_and_sdpa_path(monkey
     assert _relative_error(with_kernel, gathered.double()) < 1e-5
     # and both against the reference over the cache with this step's k/v written
     assert _relative_error(with_kernel, _reference(q, written, tables, lengths, 0.125, window)) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_float16_cache_reads_as_the_float32_cache_of_its_values(heads, kv_heads, dim, window):
+    """KV_CACHE_DTYPE=float16: the kernel widens each value exactly, so over a float16 cache
+    it gives bit for bit what it gives over a float32 cache holding the same values."""
+    lengths = [70, 3, 33, 128, 1]
+    tables = _tables(lengths, 24, seed=3)
+    half = _cache(24, kv_heads, dim, seed=4).half()
+    keys, values = paged_kv(half).keys, paged_kv(half).values
+    wide = paged_kv(half.float())
+    q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(6))
+    padded = torch.tensor([t + [0] * (9 - len(t)) for t in tables])
+    lens = torch.tensor(lengths)
+    got = kernels.paged_decode_attention(q, (keys, values), padded, lens, BLOCK, 0.125, window)
+    want = kernels.paged_decode_attention(q, (wide.keys, wide.values), padded, lens, BLOCK, 0.125, window)
+    assert got is not None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_paged_attention_over_a_float16_cache_rounds_the_new_keys_and_attends_in_float32(monkeypatch, kernel):
+    """Both paths (the kernel; the gather and SDPA where it does not run) write this step's
+    k / v rounded to float16 and attend in q's float32 over the cache's values."""
+    lengths = [70, 3, 33, 128, 1]
+    q, k, v, cache, batch, plan, tables = _decode_step(lengths, 9, 3, 64, None)
+    if not kernel:
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
+    half = cache.half()
+    got = paged_attention(q, k, v, half, batch, 0.125, plan)
+    assert got.dtype == torch.float32
+    written = cache.half().float()
+    paged_attention(q, k.half().float(), v.half().float(), written, batch, 0.125, plan)
+    assert torch.equal(half.float(), written)  # the new rows rounded as .to(float16) rounds them
+    assert _relative_error(got, _reference(q, written, tables, lengths, 0.125)) < 1e-5

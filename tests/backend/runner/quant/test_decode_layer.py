@@ -47,11 +47,14 @@ def _quantized(config, folder, kind: str) -> LlamaForCausalLM:
     return model
 
 
-def _decode_logits(model: LlamaForCausalLM, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+def _decode_logits(
+    model: LlamaForCausalLM, prompts: list[list[int]], steps: int, caches: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Prefill the prompts together, then `steps` greedy decode steps of all of them; the
-    logits [B, vocab] of each decode step. Blocks are handed out from a shuffled pool."""
+    logits [B, vocab] of each decode step. Blocks are handed out from a shuffled pool;
+    `caches`: the layers' caches (default: float32 ones)."""
     cfg = model.config
-    caches = [torch.zeros(2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    caches = caches or [torch.zeros(2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     pool = torch.randperm(64, generator=torch.Generator().manual_seed(5)).tolist()
     tokens = [list(p) for p in prompts]
     tables: list[list[int]] = [[] for _ in prompts]
@@ -88,6 +91,36 @@ def test_the_fused_decode_layer_matches_the_layer_by_layer_path(name, kind, tmp_
     plain = _decode_logits(model, prompts, steps=12)
     for got, want in zip(fused, plain, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_a_float16_cache_is_written_and_read_alike_fused_and_layer_by_layer(name, tmp_path, monkeypatch):
+    """KV_CACHE_DTYPE=float16: the fused layer rounds k / v into the cache as torch's
+    .to(float16) does and attends over them as the layer-by-layer path does."""
+    model = _quantized(CONFIGS[name](), tmp_path, "int4")
+    cfg = model.config
+    prompts = [[(5 * i + 11 * j) % 256 for j in range(n)] for i, n in enumerate([7, 18, 2])]
+
+    def caches(dtype=torch.float16):
+        return [torch.zeros(2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in range(2)]
+
+    # one decode step: layer 0 sees the same x either way, so its new rows are the float32
+    # cache's rows rounded, bit for bit (later layers read rounded keys: their x differs)
+    half, full = caches(), caches(torch.float32)
+    _decode_logits(model, prompts, steps=1, caches=half)
+    _decode_logits(model, prompts, steps=1, caches=full)
+    assert torch.equal(half[0], full[0].half())
+    fused_caches, plain_caches = caches(), caches()
+    fused = _decode_logits(model, prompts, steps=8, caches=fused_caches)
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_decode", lambda *a: False)
+    plain = _decode_logits(model, prompts, steps=8, caches=plain_caches)
+    for got, want in zip(fused, plain, strict=True):  # measured 1.2e-5 apart; the float32 cache's: 3e-3
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for got, want in zip(fused_caches, plain_caches, strict=True):
+        # a value a float32 rounding apart may round to the neighbouring float16: one step at most
+        got, want = got.float(), want.float()
+        assert ((got - want).abs() <= torch.maximum(got.abs(), want.abs()) * 2**-10).all()
 
 
 @needs_kernels
