@@ -112,7 +112,8 @@ def test_running_request_shows_on_both_sides_then_leaves(stack, model):
     agree while it runs, and all fall back once the client leaves."""
     assert _until(lambda: _idle(stack))
     aborts = _sum(_frontend(stack), "vllm:request_success_total", finished_reason="abort")
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "min_tokens": 3000, "stream": True,
+            "repetition_detection": {"min_count": 0}}  # nothing ends it early, a loop included  # fmt: skip
     with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))

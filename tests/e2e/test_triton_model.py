@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend import contract
-from backend.contract import ErrorReport, GenerationRequest, ModelInfo, SamplingParams
+from backend.contract import ErrorReport, GenerationRequest, GuardParams, ModelInfo, SamplingParams
 from launcher import TritonServer
 
 pytestmark = pytest.mark.e2e
@@ -93,8 +93,10 @@ def _error(grpc_url: str, request: GenerationRequest | dict[str, np.ndarray]) ->
 
 
 def _request(prompt: list[int], **sampling) -> GenerationRequest:
+    """min_tokens N (a request meant to run long) turns the loop guard off too: nothing cuts it."""
     stream = sampling.pop("stream", False)
-    return GenerationRequest(prompt, SamplingParams(**sampling), stream=stream)
+    guards = GuardParams(loop_min_count=0) if sampling.get("min_tokens") else GuardParams()
+    return GenerationRequest(prompt, SamplingParams(**sampling), stream=stream, guards=guards)
 
 
 def _metric(metrics_url: str, name: str) -> float:
