@@ -44,26 +44,24 @@ class SenderLoop:
         """Until the registry is closed and nothing ready is left."""
         while True:
             packets = self.live.take(self.idle_wake_s)
-            finals = any(packet.is_last for packet in packets)
-            if finals:  # the figures go before the finals: whoever has a whole answer finds it counted
-                self._bookkeep(packets, now=True)
-            for packet in packets:
-                self._send(packet)
-            if not finals:
-                self._bookkeep(packets, now=False)
-            if self.live.closed and not packets:
-                return
-
-    def _bookkeep(self, packets: list[Packet], now: bool) -> None:
-        """Count `packets`' responses, check cancellations and publish the gauges (at
-        once when `now`, else at most every Gauges.every_s)."""
-        try:
             for packet in packets:
                 if packet.error is None:
                     self.gauges.count(len(packet.output.token_ids))
-            self._check_cancelled()
-            self.gauges.publish(self.engine.snapshot, len(self.live), now=now)
-        except Exception:  # never let bookkeeping stop the sending
+            if any(packet.is_last for packet in packets):  # whoever has a whole answer finds it counted
+                self._bookkeep(self.gauges.publish, self.engine.snapshot, len(self.live), now=True)
+            for packet in packets:
+                self._send(packet)
+            self._bookkeep(self._check_cancelled)
+            self._bookkeep(self.gauges.publish, self.engine.snapshot, len(self.live))  # at most every every_s
+            if self.live.closed and not packets:
+                return
+
+    @staticmethod
+    def _bookkeep(work, *args, **kwargs) -> None:
+        """Cancellation checks, the gauges: never let them stop the sending."""
+        try:
+            work(*args, **kwargs)
+        except Exception:
             log.exception("sender bookkeeping failed")
 
     def abort_all(self) -> None:
