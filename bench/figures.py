@@ -29,7 +29,7 @@ class Figures:
 
 
 def split_format(fmt: str) -> tuple[str, str]:
-    """A --formats entry -> (QUANT, KV_CACHE_DTYPE): `int4` -> (int4, auto), `int4/float16`."""
+    """A --formats entry -> (QUANT, KV_CACHE_DTYPE): `int4` -> (int4, auto), `int4/float32`."""
     quant, _, kv_cache_dtype = fmt.partition("/")
     return quant, kv_cache_dtype or "auto"
 

@@ -60,7 +60,7 @@ def main() -> None:
     ids, prompts = tokenizer(HELDOUT.read_text()).input_ids, chat_prompts(tokenizer)
     model = load(model_path, args.quant)
     rows, reference = [], None
-    for name, dtype in (("auto", torch.float32), ("float16", torch.float16)):
+    for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         ppl, count = decode_perplexity(model, ids, dtype)
         tokens = greedy_tokens(model_path, args.quant, prompts, kv_cache_dtype=name)
         reference = reference or tokens

@@ -7,7 +7,7 @@ and each measurement runs on one, then on the other, `--rounds` times: one strea
 decode rate, then N streams' aggregate rate, with the same prompts and client code.
 
     LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
-        [--kv-cache-dtype auto | float16]
+        [--kv-cache-dtype auto | float16 | float32]
 """
 
 from __future__ import annotations

@@ -92,14 +92,27 @@ def perplexity(model: torch.nn.Module, ids: list[int], n_ctx: int = N_CTX) -> tu
 
 
 def greedy_tokens(
-    model_path: str, quant: str, prompts: list[list[int]], tokens: int = 64, together: bool = False, **quant_kw
+    model_path: str,
+    quant: str,
+    prompts: list[list[int]],
+    tokens: int = 64,
+    together: bool = False,
+    kv_cache_dtype: str = "float32",
+    **quant_kw,
 ) -> list[list[int]]:
+    """Greedy tokens through the engine; a float32 KV cache unless asked (the weights' format
+    alone: bench.kv_quality measures the cache's)."""
     from backend.contract import SamplingParams
     from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
 
     config = EngineConfig(
-        model_path=model_path, quant=quant, enable_prefix_caching=False, speculative="off", **quant_kw
+        model_path=model_path,
+        quant=quant,
+        enable_prefix_caching=False,
+        speculative="off",
+        kv_cache_dtype=kv_cache_dtype,
+        **quant_kw,
     )
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)

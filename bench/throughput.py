@@ -43,9 +43,9 @@ QUESTIONS = [
 ]
 
 
-# QUANT values, float32 first; QUANT/KV_CACHE_DTYPE (int4/float16): a float16 KV cache, as
-# llama.cpp's server keeps its own by default
-FORMATS = ("none", "int8", "int4", "int4/float16")
+# QUANT values, float32 first; QUANT/KV_CACHE_DTYPE (int4/float32): int4 with a float32 KV cache
+# (its default, auto, is float16, as llama.cpp's server keeps its own)
+FORMATS = ("none", "int8", "int4", "int4/float32")
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:

@@ -40,8 +40,9 @@ class EngineConfig:
     quant_group: int = 32
     quant_symmetric: bool = False
     encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
-    # the KV cache's element type: auto (the model's dtype) | float16 (half the bytes a step
-    # reads past the weights; attention still computes in the model's dtype)
+    # the KV cache's element type: float16 (half the bytes a step reads past the weights;
+    # attention still computes in the model's dtype) | float32 | auto (float16 for weights
+    # quantized on the CPU, else the model's dtype: model_runner.resolve_kv_dtype)
     kv_cache_dtype: str = "auto"
 
     @classmethod

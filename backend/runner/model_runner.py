@@ -42,14 +42,23 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-KV_CACHE_DTYPES = ("auto", "float16")
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
 
 
-def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's (auto), or float16."""
+def check_kv_cache_dtype(config: EngineConfig) -> None:
+    """KV_CACHE_DTYPE's value, refused before the weights load."""
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"KV_CACHE_DTYPE must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}")
-    return torch.float16 if config.kv_cache_dtype == "float16" else dtype
+
+
+def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device, quantized: bool) -> torch.dtype:
+    """The KV cache's element type. auto: float16 where the decoder's weights run in our
+    quantized CPU kernels (llama.cpp's default cache too; perplexity within 0.01%, README
+    "The KV cache in float16"), else the model's dtype; float16 and float32 as named."""
+    check_kv_cache_dtype(config)
+    if config.kv_cache_dtype == "auto":
+        return torch.float16 if quantized and device.type == "cpu" else dtype
+    return _DTYPES[config.kv_cache_dtype]
 
 
 class ModelRunner:
@@ -58,10 +67,12 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        self.kv_dtype = resolve_kv_dtype(config, self.dtype)  # the target's layers; MTP's and a draft's: dtype
+        check_kv_cache_dtype(config)
         self.block_size = config.block_size
         quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric)
         self.model = load_model(config.model_path, self.dtype, self.device, quant)
+        quantized = getattr(self.model, "lm_head_q", None) is not None
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device, quantized)  # the target's; MTP, drafts: dtype
         self.model_config = self.model.config
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
