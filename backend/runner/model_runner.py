@@ -7,6 +7,7 @@ decoding that have weights: the checkpoint's MTP layers, SPEC_DRAFT_MODEL's mode
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -78,6 +79,9 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         mc = self.model_config
         self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        dtype_name = str(self.kv_dtype).removeprefix("torch.")
+        print(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens in {dtype_name} "
+              f"(KV_CACHE_DTYPE={config.kv_cache_dtype})", file=sys.stderr)  # fmt: skip
         self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
