@@ -39,7 +39,8 @@ GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = ("float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _SOURCES = [
-    str(Path(__file__).with_name(name)) for name in ("kernels.cpp", "q8_kernels.cpp", "tiles.cpp", "decode_layer.cpp")
+    str(Path(__file__).with_name(name))
+    for name in ("kernels.cpp", "paged_attention.cpp", "q8_kernels.cpp", "tiles.cpp", "decode_layer.cpp")
 ]
 
 

@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache: our kernel (kernels.cpp `paged_decode_attention`,
+"""Decode attention over the paged KV cache: our kernel (paged_attention.cpp `paged_decode_attention`,
 which reads each sequence's keys through its block table) against a float64 reference of
 softmax(q k^T * scale) v over each sequence's own positions, and `paged_attention` with the
 kernel against the gather-and-SDPA path it replaces, on decode batches of mixed lengths."""
@@ -69,6 +69,36 @@ def test_the_kernel_matches_the_reference(heads, kv_heads, dim, lengths, window)
     )  # fmt: skip
     assert got.shape == q.shape
     assert _relative_error(got, _reference(q, cache, tables, lengths, dim**-0.5, window)) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,lengths", [(9, 3, 64, [1000]), (8, 2, 128, [900, 1]), (4, 4, 32, [1500]), (9, 3, 64, [700, 40])]
+)
+@pytest.mark.parametrize("window", [None, 100, 777])
+def test_few_long_contexts_split_across_threads_match_the_reference(heads, kv_heads, dim, lengths, window):
+    """Fewer (sequence, KV head) tasks than 4 a thread over long contexts: each context is cut
+    in one span per thread and the spans' softmaxes merged; the same as one thread's whole
+    context (up to float rounding), and the reference. A length-1 context leaves spans empty."""
+    cache = _cache(128, kv_heads, dim, seed=dim)
+    tables = _tables(lengths, 128, seed=heads)
+    q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(4))
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    kv = paged_kv(cache)
+    threads = torch.get_num_threads()
+    call = lambda: kernels.paged_decode_attention(  # noqa: E731
+        q, (kv.keys, kv.values), padded, torch.tensor(lengths), BLOCK, dim**-0.5, window
+    )  # fmt: skip
+    try:
+        torch.set_num_threads(max(2, threads))
+        split = call()
+        torch.set_num_threads(1)
+        whole = call()
+    finally:
+        torch.set_num_threads(threads)
+    assert _relative_error(split, whole.double()) < 5e-6
+    assert _relative_error(split, _reference(q, cache, tables, lengths, dim**-0.5, window)) < 1e-5
 
 
 @needs_kernels
