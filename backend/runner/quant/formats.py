@@ -30,11 +30,13 @@ class Tiles:
     """A weight laid out for the GEMV (tiles.cpp): each block of 32 inputs of TILE consecutive
     output rows side by side (int4: TILE x 16 bytes, one cache line; int8: TILE x 32), and
     their scales and mins (one per block, a group's repeated over its blocks; symmetric
-    int8: mins 0) side by side, so a thread reads two arrays front to back instead of TILE
+    int8: no mins) side by side, so a thread reads two arrays front to back instead of TILE
     short rows at a time."""
 
     data: torch.Tensor  # [out / TILE, in / 32, TILE, bytes]: each row's bytes of the block as in q
-    params: torch.Tensor  # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins
+    # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
+    # mins (symmetric int8), [.., TILE]: the scales alone
+    params: torch.Tensor
 
 
 @dataclass(slots=True, eq=False)
@@ -121,9 +123,8 @@ def tile_weight(weight: QuantizedWeight) -> Tiles | None:
         values = values.repeat_interleave(weight.group // BLOCK, dim=1)
         return values.reshape(tiles, TILE, blocks).transpose(1, 2)
 
-    mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scales)
-    params = torch.cat((per_block(weight.scales), per_block(mins)), dim=2).contiguous()
-    return Tiles(data, params)
+    parts = [per_block(weight.scales)] + ([] if weight.mins is None else [per_block(weight.mins)])
+    return Tiles(data, torch.cat(parts, dim=2).contiguous())
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -26,17 +26,18 @@ constexpr int64_t kGroupFrom = 128;  // rows of x from which the tiles are decod
 
 struct Tiles {
   const uint8_t* data;   // [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
-  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins
+  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without mins)
   const float* bias;     // [N] or null
   int64_t N, K, blocks;
 };
 
 // A block's weights 0..15 and 16..31 of tile row t, as float32: int4 through a 16-entry table
-// of scale * level + min (one permute a nibble), int8 as q * scale + min; both compute a weight
-// as the reference does (a product, then a sum: no fused multiply-add).
-template <bool kInt4>
+// of scale * level + min (one permute a nibble), int8 as q * scale + min (kMins) or q * scale;
+// each computes a weight as the reference does (a product, then a sum: no fused multiply-add).
+template <bool kInt4, bool kMins>
 inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
-  const __m512 scale = _mm512_set1_ps(sm[t]), min = _mm512_set1_ps(sm[kTile + t]);
+  static_assert(kMins || !kInt4, "int4 always has mins");
+  const __m512 scale = _mm512_set1_ps(sm[t]), min = kMins ? _mm512_set1_ps(sm[kTile + t]) : _mm512_setzero_ps();
   if constexpr (kInt4) {
     const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, scale), min);
@@ -47,8 +48,12 @@ inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m
     const auto* q = reinterpret_cast<const __m128i*>(block + t * 32);
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    lo = _mm512_add_ps(_mm512_mul_ps(lo, scale), min);
-    hi = _mm512_add_ps(_mm512_mul_ps(hi, scale), min);
+    lo = _mm512_mul_ps(lo, scale);
+    hi = _mm512_mul_ps(hi, scale);
+    if constexpr (kMins) {
+      lo = _mm512_add_ps(lo, min);
+      hi = _mm512_add_ps(hi, min);
+    }
   }
 }
 
@@ -119,30 +124,31 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
 }
 
 // A tile's blocks, decoded one (block, tile row) at a time: dot's weights for tile_dot, and
-// decode_tile's source.
-template <bool kInt4>
+// decode_tile's source. kMins: a block's params are its 4 scales then its 4 mins, else its 4
+// scales alone (int8 without mins: GGUF's Q8_0, QUANT's symmetric int8).
+template <bool kInt4, bool kMins>
 struct TileDecoder {
-  static constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  static constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32), kParams = kMins ? 2 * kTile : kTile;
   const uint8_t* data;
   const float* params;
 
   TileDecoder(const Tiles& w, int64_t tile)
-      : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * 2 * kTile) {}
+      : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * kParams) {}
 
   void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
-    decode<kInt4>(data + b * kBlockBytes, params + b * 2 * kTile, t, lo, hi);
+    decode<kInt4, kMins>(data + b * kBlockBytes, params + b * kParams, t, lo, hi);
   }
 };
 
-template <bool kInt4, int R>
+template <class Decoder, int R>
 inline void tile_dot(const Tiles& w, int64_t tile, const float* x, float* y) {
-  dot<R>(w, tile, x, y, TileDecoder<kInt4>(w, tile));
+  dot<R>(w, tile, x, y, Decoder(w, tile));
 }
 
 // A tile's weights decoded once, [blocks][4][32] floats, for every pass of a group of rows.
-template <bool kInt4>
+template <class Decoder>
 inline void decode_tile(const Tiles& w, int64_t tile, float* out) {
-  const TileDecoder<kInt4> weights(w, tile);
+  const Decoder weights(w, tile);
   for (int64_t b = 0; b < w.blocks; ++b) {
     for (int t = 0; t < kTile; ++t) {
       __m512 lo, hi;
@@ -162,14 +168,14 @@ inline void decoded_dot(const Tiles& w, int64_t tile, const float* decoded, cons
 }
 
 // Rows r0 .. r0 + rows - 1 of x (at most kPassRows) through tiles begin .. end - 1.
-template <bool kInt4>
+template <class Decoder>
 void pass(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, int64_t rows) {
   for (int64_t tile = begin; tile < end; ++tile) {
     switch (rows) {
-      case 1: tile_dot<kInt4, 1>(w, tile, x, y); break;
-      case 2: tile_dot<kInt4, 2>(w, tile, x, y); break;
-      case 3: tile_dot<kInt4, 3>(w, tile, x, y); break;
-      default: tile_dot<kInt4, 4>(w, tile, x, y); break;
+      case 1: tile_dot<Decoder, 1>(w, tile, x, y); break;
+      case 2: tile_dot<Decoder, 2>(w, tile, x, y); break;
+      case 3: tile_dot<Decoder, 3>(w, tile, x, y); break;
+      default: tile_dot<Decoder, 4>(w, tile, x, y); break;
     }
   }
 }
@@ -178,11 +184,11 @@ void pass(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, 
 // stays in L2), its passes reading the floats back from L1; the arithmetic is the same, bit
 // for bit. 512 rows measured 1.07x the passes that decode as they go; up to 64 rows no faster
 // (8 rows 0.7x: a pass over decoded floats costs about what decoding as it goes does there).
-template <bool kInt4>
+template <class Decoder>
 void grouped_passes(const Tiles& w, int64_t begin, int64_t end, const float* x, float* y, int64_t rows,
                     float* decoded) {
   for (int64_t tile = begin; tile < end; ++tile) {
-    decode_tile<kInt4>(w, tile, decoded);
+    decode_tile<Decoder>(w, tile, decoded);
     for (int64_t r0 = 0; r0 < rows; r0 += kPassRows) {
       const float* xr = x + r0 * w.K;
       float* yr = y + r0 * w.N;
@@ -196,6 +202,30 @@ void grouped_passes(const Tiles& w, int64_t begin, int64_t end, const float* x, 
   }
 }
 
+// y = x @ W^T for M rows: each thread takes a run of tiles and goes through it in chunks of
+// `chunk` tiles (~256 KB), each chunk for every row of x: its weights are read from memory
+// once, later passes over a chunk find it in the core's L2 (the prefill's many rows included).
+template <class Decoder>
+void run(const Tiles& w, const float* xp, float* yp, int64_t M, int64_t chunk) {
+  const int64_t K = w.K, N = w.N;
+  at::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> decoded(M >= kGroupFrom ? static_cast<size_t>(w.blocks * kTile * 32) : 0);
+    for (int64_t from = begin; from < end; from += chunk) {
+      const int64_t to = std::min(end, from + chunk);
+      if (M < kGroupFrom) {
+        for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
+          pass<Decoder>(w, from, to, xp + r0 * K, yp + r0 * N, std::min<int64_t>(kPassRows, M - r0));
+        }
+        continue;
+      }
+      for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
+        grouped_passes<Decoder>(w, from, to, xp + g0 * K, yp + g0 * N, std::min<int64_t>(kGroupRows, M - g0),
+                                decoded.data());
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
@@ -205,40 +235,22 @@ torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor pa
                   (int4 || data.scalar_type() == torch::kInt8), "data: uint8 [N / 4, K / 32, 4, 16] or int8 [.., 32]");
   const int64_t M = x.size(0), K = x.size(1), tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
   TORCH_CHECK(blocks * 32 == K, "data does not match K");
+  const bool mins = params.size(2) == 2 * kTile;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
-                  params.size(1) == blocks && params.size(2) == 2 * kTile, "params: float32 [N / 4, K / 32, 8]");
+                  params.size(1) == blocks && (mins || (!int4 && params.size(2) == kTile)),
+              "params: float32 [N / 4, K / 32, 8], or [.., 4] for int8 without mins");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
   torch::Tensor y = torch::empty({M, N}, x.options());
   const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), has_bias ? bias.data_ptr<float>() : nullptr,
                 N, K, blocks};
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + params.size(2) * 4)));
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Each thread takes a run of tiles and goes through it in chunks of ~256 KB, each chunk
-  // for every row of x: its weights are read from memory once, later passes over a chunk
-  // find it in the core's L2 (the prefill's many rows included).
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + 2 * kTile * 4)));
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> decoded(M >= kGroupFrom ? static_cast<size_t>(blocks * kTile * 32) : 0);
-    for (int64_t from = begin; from < end; from += chunk) {
-      const int64_t to = std::min(end, from + chunk);
-      if (M < kGroupFrom) {
-        for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
-          const float* xr = xp + r0 * K;
-          float* yr = yp + r0 * N;
-          const int64_t rows = std::min<int64_t>(kPassRows, M - r0);
-          int4 ? pass<true>(w, from, to, xr, yr, rows) : pass<false>(w, from, to, xr, yr, rows);
-        }
-        continue;
-      }
-      for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
-        const float* xg = xp + g0 * K;
-        float* yg = yp + g0 * N;
-        const int64_t rows = std::min<int64_t>(kGroupRows, M - g0);
-        int4 ? grouped_passes<true>(w, from, to, xg, yg, rows, decoded.data())
-             : grouped_passes<false>(w, from, to, xg, yg, rows, decoded.data());
-      }
-    }
-  });
+  if (int4) {
+    run<TileDecoder<true, true>>(w, xp, yp, M, chunk);
+  } else {
+    mins ? run<TileDecoder<false, true>>(w, xp, yp, M, chunk) : run<TileDecoder<false, false>>(w, xp, yp, M, chunk);
+  }
   return y;
 }

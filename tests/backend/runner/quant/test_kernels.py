@@ -210,7 +210,8 @@ def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
     tiles = tile_weight(weight)
     block_bytes = 16 if kind == "int4" else 32
     assert tiles.data.shape == (8 // TILE, 256 // 32, TILE, block_bytes)
-    assert tiles.params.shape == (8 // TILE, 256 // 32, 2 * TILE)
+    params = TILE if weight.mins is None else 2 * TILE  # symmetric int8: the scales alone
+    assert tiles.params.shape == (8 // TILE, 256 // 32, params)
     for row in range(8):
         for block in range(256 // 32):
             tile, t = divmod(row, TILE)
@@ -218,8 +219,8 @@ def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
             assert torch.equal(tiles.data[tile, block, t], want)
             group_index = block * 32 // group
             assert tiles.params[tile, block, t] == weight.scales[row, group_index]
-            mins = 0.0 if weight.mins is None else weight.mins[row, group_index]
-            assert tiles.params[tile, block, TILE + t] == mins
+            if weight.mins is not None:
+                assert tiles.params[tile, block, TILE + t] == weight.mins[row, group_index]
     assert tile_weight(_weight(6, 256, kind, group, symmetric)) is None  # rows that make no whole tiles
 
 
