@@ -5,9 +5,11 @@ them shows as a difference between the servers. Here both serve at the same time
 with QUANT, llama-server on the default model's Q4_1 GGUF, `bench/llamacpp.py`'s flags)
 and each measurement runs on one, then on the other, `--rounds` times: one stream's
 decode rate, then N streams' aggregate rate, with the same prompts and client code.
+`--context N`: one stream's prompt is N tokens (the chat prompts run together, a different
+window each round), so its decode steps attend over N positions and more.
 
     LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
-        [--kv-cache-dtype auto | float16 | float32]
+        [--kv-cache-dtype auto | float16 | float32] [--context 1500]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--quant", default="int4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE of our server")
+    parser.add_argument("--context", type=int, default=0, help="one stream's prompt in tokens (0: a chat prompt)")
     args = parser.parse_args()
     binary = llamacpp.server_binary()
     if binary is None:
@@ -37,8 +40,11 @@ def main() -> None:
 
     model_path = str(ensure_default_model())
     prompts = prompts_for(AutoTokenizer.from_pretrained(model_path), max(args.streams, args.rounds))
+    singles = long_prompts(prompts, args.context, args.rounds) if args.context else prompts
+    slot = llamacpp.PROMPT_TOKENS + llamacpp.GEN_TOKENS
+    ctx = 32 * max(slot, args.context + args.tokens + 16)  # llama-server's 32 slots share it
     env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant, "KV_CACHE_DTYPE": args.kv_cache_dtype}
-    with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path())) as llama_url:
+    with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path()), ctx=ctx) as llama_url:
         ours = (stack.base_url.removesuffix("/v1"), stack.served_model_name)
         theirs = (llama_url, "llama")
         for url, name in (ours, theirs):
@@ -47,7 +53,7 @@ def main() -> None:
         many = {"ours": [], "llama.cpp": []}
         for i in range(args.rounds):
             for label, (url, name) in (("ours", ours), ("llama.cpp", theirs)):
-                one[label].append(llamacpp.decode_rate(url, prompts[i], args.tokens, name))
+                one[label].append(llamacpp.decode_rate(url, singles[i], args.tokens, name))
             for label, (url, name) in (("ours", ours), ("llama.cpp", theirs)):
                 many[label].append(llamacpp.aggregate_rate(url, prompts[: args.streams], args.tokens, name))
             line = f"round {i + 1}: one stream {one['ours'][-1]:.1f} against {one['llama.cpp'][-1]:.1f}, "
@@ -57,6 +63,13 @@ def main() -> None:
         ratios = [a / b for a, b in zip(rates["ours"], rates["llama.cpp"], strict=True)]
         print(f"{what}: ours / llama.cpp {', '.join(f'{r:.2f}x' for r in ratios)} "
               f"(median {statistics.median(ratios):.2f}x; goal >= {goal}x)")  # fmt: skip
+
+
+def long_prompts(prompts: list[list[int]], length: int, n: int) -> list[list[int]]:
+    """n prompts of `length` tokens: `prompts` run together (repeated as needed), windows 97 apart."""
+    joined = [t for p in prompts for t in p]
+    joined *= -(-(length + 97 * n) // len(joined))
+    return [joined[97 * i : 97 * i + length] for i in range(n)]
 
 
 if __name__ == "__main__":
