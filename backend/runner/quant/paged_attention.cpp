@@ -206,8 +206,12 @@ void attend(const Batch& a, const T* kp, const T* vp, int64_t task, int64_t s, i
 template <class T>
 void attend_paged(const Batch& a, const T* kp, const T* vp) {
   const int64_t tasks = a.B * a.KV, G = a.H / a.KV, threads = at::get_num_threads();
-  int64_t work = 0;
-  for (int64_t b = 0; b < a.B; ++b) work += std::min(a.lens[b], a.window > 0 ? a.window : a.lens[b]) * a.KV;
+  int64_t work = 0;  // (position, KV head) pairs attended
+  for (int64_t b = 0; b < a.B; ++b) {
+    int64_t from, to;
+    span_of(a, b, 0, 1, from, to);
+    work += (to - from) * a.KV;
+  }
   const int64_t S = threads > 1 && tasks < kTasksPerThread * threads && work >= kSplitFrom ? threads : 1;
   if (S == 1) {
     auto whole = [&](int64_t begin, int64_t end) {
