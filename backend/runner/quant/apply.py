@@ -54,9 +54,8 @@ def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, 
 def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
     """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
     from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
-    if activations() == "int8" and (spec.kind == "none" or spec.group != 32):
-        raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights in groups of 32; QUANT is {spec.kind} "
-                         f"(groups of {spec.group})")  # fmt: skip
+    if activations() == "int8" and (spec.kind == "none" or native() is None):
+        raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights and our kernels; QUANT is {spec.kind}")
     if spec.kind == "none":
         return 0
     native()  # built (make setup) or built now, at load, rather than at the first request
@@ -90,9 +89,8 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
 
 
 def _gemv_tiles(weight: QuantizedWeight) -> Tiles | None:
-    """The weight's copy in the layout of the GEMV that runs here (none: our kernels do not,
-    or QUANT_ACTIVATIONS=int8's kernel reads q)."""
-    return tile_weight(weight) if native() is not None and activations() == "float32" else None
+    """The weight's copy in the layout of the GEMV that runs here (none: our kernels do not)."""
+    return tile_weight(weight) if native() is not None else None
 
 
 def _same_shape(weight: QuantizedWeight, param: torch.Tensor) -> bool:

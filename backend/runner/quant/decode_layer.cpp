@@ -17,6 +17,7 @@
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);
@@ -75,11 +76,12 @@ void store_kv(torch::Tensor& cache, int64_t at, const float* row, int64_t n) {
 
 // x [T, hidden] float32 contiguous, updated in place and returned. cos, sin [T, D]; keys,
 // values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [T, max_blocks];
-// lens [T]: the paged kernel's operands.
+// lens [T]: the paged kernel's operands. int8_activations: the linears take tiles_a8.cpp's
+// GEMV (QUANT_ACTIVATIONS=int8), else tiles.cpp's.
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, double eps) {
+                           int64_t num_kv_heads, double scale, double eps, bool int8_activations) {
   TORCH_CHECK(weights.size() == kOperands, "decode_layer: the layer's 12 operands");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: float32 [T, hidden]");
   const int64_t T = x.size(0), D = keys.size(2), H = num_heads, KV = num_kv_heads;
@@ -89,8 +91,11 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D, "cos, sin");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_contiguous(), "slots: int64 [T]");
   const int64_t width = (H + 2 * KV) * D, num_slots = keys.size(0);
-  torch::Tensor qkv = tiled_matmul(rms_norm(x, weights[kInputNorm], eps), weights[kQkv], weights[kQkvParams],
-                                   weights[kQkvBias]);
+  const auto linear = [&](const torch::Tensor& in, int w, const torch::Tensor& bias) {
+    return int8_activations ? tiled_matmul_a8(in, weights[w], weights[w + 1], bias)
+                          : tiled_matmul(in, weights[w], weights[w + 1], bias);
+  };
+  torch::Tensor qkv = linear(rms_norm(x, weights[kInputNorm], eps), kQkv, weights[kQkvBias]);
   TORCH_CHECK(qkv.size(1) == width, "qkv: [T, (H + 2 KV) * D]");
   float* qp = qkv.data_ptr<float>();
   rope(qp, T, width, H + KV, D, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -103,9 +108,8 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
   }
   torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
   torch::Tensor attn = paged_decode_attention(q, keys, values, tables, lens, block_size, scale, window);
-  x.add_(tiled_matmul(attn.view({T, H * D}), weights[kO], weights[kOParams], weights[kOBias]));
-  torch::Tensor gate_up = tiled_matmul(rms_norm(x, weights[kPostNorm], eps), weights[kGateUp],
-                                       weights[kGateUpParams], torch::Tensor());
-  x.add_(tiled_matmul(silu_mul(gate_up), weights[kDown], weights[kDownParams], torch::Tensor()));
+  x.add_(linear(attn.view({T, H * D}), kO, weights[kOBias]));
+  torch::Tensor gate_up = linear(rms_norm(x, weights[kPostNorm], eps), kGateUp, torch::Tensor());
+  x.add_(linear(silu_mul(gate_up), kDown, torch::Tensor()));
   return x;
 }

@@ -336,23 +336,21 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);
-// q8_kernels.cpp
-torch::Tensor quant_matmul_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins,
-                              torch::Tensor bias);
-// tiles.cpp
+// tiles.cpp, tiles_a8.cpp
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 // decode_layer.cpp
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, double eps);
+                           int64_t num_kv_heads, double scale, double eps, bool int8_activations);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: the stub's other threads (the sender's
   // responses, Triton's requests) go on during a step
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("quant_matmul_q8", &quant_matmul_q8, nogil, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 g32");
   m.def("tiled_matmul", &tiled_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
+  m.def("tiled_matmul_a8", &tiled_matmul_a8, nogil, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W as formats.Tiles");
   m.def("decode_layer", &decode_layer, nogil, "one decoder layer of a decode step, its linears tiles, x updated in place");
   m.def("quant_matmul", &quant_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, nogil, "dequant(W) [N, K], float32 or bf16");

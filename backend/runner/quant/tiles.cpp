@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "tile_operands.h"
+
 namespace {
 
 constexpr int kTile = 4;       // output rows per tile (formats.TILE)
@@ -228,29 +230,36 @@ void run(const Tiles& w, const float* xp, float* yp, int64_t M, int64_t chunk) {
 
 }  // namespace
 
-torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
+                                 const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const bool int4 = data.scalar_type() == torch::kUInt8;
   TORCH_CHECK(data.dim() == 4 && data.size(2) == kTile && data.size(3) == (int4 ? 16 : 32) && data.is_contiguous() &&
                   (int4 || data.scalar_type() == torch::kInt8), "data: uint8 [N / 4, K / 32, 4, 16] or int8 [.., 32]");
-  const int64_t M = x.size(0), K = x.size(1), tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
-  TORCH_CHECK(blocks * 32 == K, "data does not match K");
+  const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
+  TORCH_CHECK(blocks * 32 == x.size(1), "data does not match K");
   const bool mins = params.size(2) == 2 * kTile;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
                   params.size(1) == blocks && (mins || (!int4 && params.size(2) == kTile)),
               "params: float32 [N / 4, K / 32, 8], or [.., 4] for int8 without mins");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), has_bias ? bias.data_ptr<float>() : nullptr,
-                N, K, blocks};
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + params.size(2) * 4)));
+  return {x.size(0), N, x.size(1), blocks, int4, mins, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+}
+
+torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+  const TileOperands o = check_tile_operands(x, data, params, bias);
+  torch::Tensor y = torch::empty({o.M, o.N}, x.options());
+  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, o.N, o.K, o.blocks};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (int4) {
-    run<TileDecoder<true, true>>(w, xp, yp, M, chunk);
+  if (o.int4) {
+    run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk);
+  } else if (o.mins) {
+    run<TileDecoder<false, true>>(w, xp, yp, o.M, o.chunk);
   } else {
-    mins ? run<TileDecoder<false, true>>(w, xp, yp, M, chunk) : run<TileDecoder<false, false>>(w, xp, yp, M, chunk);
+    run<TileDecoder<false, false>>(w, xp, yp, o.M, o.chunk);
   }
   return y;
 }

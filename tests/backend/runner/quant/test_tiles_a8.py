@@ -1,5 +1,5 @@
-"""QUANT_ACTIVATIONS=int8: int4 and int8 g32 weights times activations rounded to int8 per 32
-(q8_kernels.cpp) against its own reference, `quantize_activations` then `dequantize` and a
+"""QUANT_ACTIVATIONS=int8: tiles of int4 and int8 weights times activations rounded to int8 per
+32 (tiles_a8.cpp) against its own reference, `quantize_activations` then `dequantize` and a
 float64 matmul; the rounding reference against hand-checked values; the setting's refusals."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from backend.runner.quant import kernels
 from backend.runner.quant.apply import QuantSpec, quantize_model
-from backend.runner.quant.formats import dequantize, dequantize_activations, quantize, quantize_activations
+from backend.runner.quant.formats import dequantize, dequantize_activations, quantize, quantize_activations, tile_weight
 
 needs_vnni = pytest.mark.skipif(
     kernels.native() is None or "avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU"
@@ -17,12 +17,8 @@ needs_vnni = pytest.mark.skipif(
 
 
 @pytest.fixture
-def int8_activations(monkeypatch):
-    monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
-    kernels.activations.cache_clear()
-    yield
-    monkeypatch.delenv("QUANT_ACTIVATIONS")
-    kernels.activations.cache_clear()
+def int8_activations(use_activations):
+    use_activations("int8")
 
 
 def _reference(x: torch.Tensor, weight, bias) -> torch.Tensor:
@@ -42,21 +38,22 @@ def test_activations_round_per_block_of_32():
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 48])
-@pytest.mark.parametrize("in_features", [96, 384, 576])  # 3, 12 and 18 blocks: tails of 3, 0 and 2
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 48, 300])
+@pytest.mark.parametrize("in_features, group", [(96, 32), (384, 128), (576, 32), (576, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kind, symmetric", [("int4", False), ("int8", False), ("int8", True)])
-def test_int8_activation_kernel_matches_its_reference(int8_activations, rows, in_features, with_bias, kind, symmetric):
-    if rows > kernels.GEMV_MAX_ROWS[kind]:
-        pytest.skip("past the GEMV's rows: the float GEMM (below)")
+def test_int8_activation_kernel_matches_its_reference(
+    int8_activations, rows, in_features, group, with_bias, kind, symmetric
+):
     gen = torch.Generator().manual_seed(rows * 100 + in_features)
-    weight = quantize(torch.randn(203, in_features, generator=gen) * 0.05 + 0.01, kind, 32, symmetric)
+    weight = quantize(torch.randn(204, in_features, generator=gen) * 0.05 + 0.01, kind, group, symmetric)
+    weight.tiles = tile_weight(weight)
     x = torch.randn(rows, in_features, generator=gen)
     x[0, :32] = 0  # an all-zero block
-    bias = torch.randn(203, generator=gen) if with_bias else None
+    bias = torch.randn(204, generator=gen) if with_bias else None
     got = kernels.quant_linear(x, weight, bias)
     want = _reference(x, weight, bias)
-    assert got.shape == (rows, 203)
+    assert got.shape == (rows, 204)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
     # and it is the int8 path: float32 activations give other numbers
     exact = x.double() @ dequantize(weight).double().t() + (0 if bias is None else bias.double())
@@ -64,11 +61,12 @@ def test_int8_activation_kernel_matches_its_reference(int8_activations, rows, in
 
 
 @needs_vnni
-def test_past_the_gemv_rows_the_float_gemm_runs(int8_activations):
-    weight = quantize(torch.randn(64, 128) * 0.05, "int4", 32, False)
-    x = torch.randn(kernels.GEMV_MAX_ROWS["int4"] + 1, 128)
-    exact = x.double() @ dequantize(weight).double().t()
-    assert ((kernels.quant_linear(x, weight).double() - exact).norm() / exact.norm()).item() < 1e-6
+def test_a_weight_without_tiles_keeps_float32_activations(int8_activations):
+    untiled = quantize(torch.randn(66, 128) * 0.05, "int4", 32, False)
+    assert tile_weight(untiled) is None
+    x = torch.randn(3, 128)
+    exact = x.double() @ dequantize(untiled).double().t()
+    assert ((kernels.quant_linear(x, untiled).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
 def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
@@ -80,11 +78,7 @@ def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
         if "avx512_vnni" in kernels._cpu_flags():
             monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
             kernels.activations.cache_clear()
-            with pytest.raises(ValueError, match="needs int4 or int8 weights in groups of 32; QUANT is none"):
+            with pytest.raises(ValueError, match="needs int4 or int8 weights and our kernels; QUANT is none"):
                 quantize_model(torch.nn.Module(), QuantSpec("none", 32))
-            with pytest.raises(ValueError, match="QUANT is int8 \\(groups of 128\\)"):
-                quantize_model(torch.nn.Module(), QuantSpec("int8", 128))
-            with pytest.raises(ValueError, match="QUANT is int4 \\(groups of 64\\)"):
-                quantize_model(torch.nn.Module(), QuantSpec("int4", 64))
     finally:
         kernels.activations.cache_clear()

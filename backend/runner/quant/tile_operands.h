@@ -1,0 +1,17 @@
+// The operands of the tiles' GEMVs (tiles.cpp, tiles_a8.cpp), checked once for both.
+#pragma once
+
+#include <torch/extension.h>
+
+struct TileOperands {
+  int64_t M, N, K, blocks;
+  bool int4, mins;     // int4 (else int8) weights; params hold mins after the scales
+  const float* bias;   // [N] or null
+  int64_t chunk;       // tiles a thread takes per round of passes: ~256 KB of weights, its L2
+};
+
+// x: contiguous float32 [M, K]; data: uint8 [N / 4, K / 32, 4, 16] (int4) or int8 [.., 32];
+// params: float32 [N / 4, K / 32, 8] (4 scales, 4 mins) or [.., 4] (int8 without mins);
+// bias: [N], or undefined / empty for none.
+TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
+                                 const torch::Tensor& bias);
