@@ -28,10 +28,14 @@ class Figures:
         return self.bandwidth_gbs * 1e9 / weight_bytes
 
 
-def split_format(fmt: str) -> tuple[str, str]:
-    """A --formats entry -> (QUANT, KV_CACHE_DTYPE): `int4` -> (int4, auto), `int4/float32`."""
-    quant, _, kv_cache_dtype = fmt.partition("/")
-    return quant, kv_cache_dtype or "auto"
+def split_format(fmt: str) -> tuple[str, str, str]:
+    """A --formats entry -> (QUANT, KV_CACHE_DTYPE, QUANT_ACTIVATIONS): `int4` -> (int4, auto,
+    float32), `int4/float32`, `int4+a8` (int8 activations)."""
+    head, _, kv_cache_dtype = fmt.partition("/")
+    quant, _, extra = head.partition("+")
+    if extra not in ("", "a8"):
+        raise ValueError(f"{fmt!r}: QUANT[+a8][/KV_CACHE_DTYPE]")
+    return quant, kv_cache_dtype or "auto", "int8" if extra else "float32"
 
 
 def _row(name: str, weight_bytes: int, bound: float, engine: list[float], http: list[float], ttft: float) -> str:
@@ -75,7 +79,8 @@ def report(fig: Figures, concurrency: list[int]) -> str:
             _row("llama.cpp Q4_1 (server)", fig.llama_bytes, bound, [0] * len(concurrency), rates, fig.llama.ttft_2k)
         )
     top = max(concurrency)
-    lines += ["", "1 stream = decode rate after the first token; N streams = aggregate, prefill included"]
+    lines += ["", "1 stream = decode rate after the first token (HTTP: median of 3 requests); "
+              "N streams = aggregate, prefill included"]  # fmt: skip
     f32 = fig.formats.get("none")  # absent when --formats leaves float32 out
     if f32 is not None:
         one_vs_hf = _streams_rate(f32.http, 1) / fig.hf_single
@@ -109,6 +114,8 @@ def _streams_rate(figs: llamacpp.Figures, streams: int) -> float:
 
 
 def format_name(fmt: str) -> str:
-    quant, kv_cache_dtype = split_format(fmt)
+    quant, kv_cache_dtype, activations = split_format(fmt)
     name = {"none": "ours float32", "int8": "ours int8 (g32)", "int4": "ours int4 (Q4_1 blocks)"}.get(quant, quant)
+    if activations == "int8":
+        name = f"{name.removesuffix(' (Q4_1 blocks)')}, int8 act."
     return name if kv_cache_dtype == "auto" else f"{name.removesuffix(' (Q4_1 blocks)')}, KV {kv_cache_dtype}"

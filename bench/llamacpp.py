@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -166,9 +167,10 @@ def measure(
     model: str = "llama",
 ) -> Figures:
     """Figures for any server at `url`: `prompts` are 32 distinct (short, chat-templated) prompts, `prompts_2k`
-    3 distinct PROMPT_TOKENS-token prompts."""
+    3 distinct PROMPT_TOKENS-token prompts. One stream is the median of 3 requests (the first 3 prompts): a
+    single one swung with the host's load by a fifth between runs."""
     figs = Figures(
-        one_stream=decode_rate(url, prompts[0], tokens, model),
+        one_stream=statistics.median(decode_rate(url, p, tokens, model) for p in prompts[:3]),
         streams_8=aggregate_rate(url, prompts[:8], tokens, model),
         streams_32=aggregate_rate(url, prompts[:32], tokens, model),
         ttft_2k=ttft(url, prompts_2k, model),

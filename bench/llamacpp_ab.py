@@ -9,7 +9,7 @@ decode rate, then N streams' aggregate rate, with the same prompts and client co
 window each round), so its decode steps attend over N positions and more.
 
     LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
-        [--kv-cache-dtype auto | float16 | float32] [--context 1500]
+        [--kv-cache-dtype auto | float16 | float32] [--context 1500] [--activations float32 | int8]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--quant", default="int4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE of our server")
     parser.add_argument("--context", type=int, default=0, help="one stream's prompt in tokens (0: a chat prompt)")
+    parser.add_argument("--activations", default="float32", help="QUANT_ACTIVATIONS of our server")
     args = parser.parse_args()
     binary = llamacpp.server_binary()
     if binary is None:
@@ -43,7 +44,8 @@ def main() -> None:
     singles = long_prompts(prompts, args.context, args.rounds) if args.context else prompts
     slot = llamacpp.PROMPT_TOKENS + llamacpp.GEN_TOKENS
     ctx = 32 * max(slot, args.context + args.tokens + 16)  # llama-server's 32 slots share it
-    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant, "KV_CACHE_DTYPE": args.kv_cache_dtype}
+    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant, "KV_CACHE_DTYPE": args.kv_cache_dtype,
+           "QUANT_ACTIVATIONS": args.activations}  # fmt: skip
     with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path()), ctx=ctx) as llama_url:
         ours = (stack.base_url.removesuffix("/v1"), stack.served_model_name)
         theirs = (llama_url, "llama")

@@ -9,10 +9,8 @@
   share of the 64 tokens before the first difference.
 
 `python -m bench.quality` prints them for QUANT=none, int8 and int4 (and any
-`--formats int4:64:sym,...`: kind:group[:sym][:a8]; a8: QUANT_ACTIVATIONS=int8, measured
-with QUANT_GEMV_MAX_ROWS=512 so that the perplexity's 512-token chunks take the int8
-activations too, as a served decode step does; the lm_head's logits over a chunk stay
-float32, past LM_HEAD_GEMV_ROWS).
+`--formats int4:64:sym,...`: kind:group[:sym][:a8]; a8: QUANT_ACTIVATIONS=int8, on every
+row, the perplexity's 512-token chunks and their logits too).
 """
 
 from __future__ import annotations
@@ -150,7 +148,7 @@ def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list
     prompts = chat_prompts(tokenizer)
     results, reference = [], None
     for kind, group, symmetric, int8_activations in [("none", 32, False, False), *formats]:
-        with _activations(int8_activations):
+        with activations(int8_activations):
             model = load(model_path, kind, group, symmetric)
             ppl, count = perplexity(model, ids)
             del model
@@ -163,20 +161,18 @@ def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list
 
 
 @contextlib.contextmanager
-def _activations(int8: bool):
-    """QUANT_ACTIVATIONS=int8 on every row count (QUANT_GEMV_MAX_ROWS=512), or as set."""
+def activations(int8: bool):
+    """QUANT_ACTIVATIONS=int8, or as set."""
     from backend.runner.quant import kernels
 
-    saved = kernels.activations(), dict(kernels.GEMV_MAX_ROWS)
+    saved = kernels.activations()
     if int8:
         os.environ["QUANT_ACTIVATIONS"] = "int8"
-        kernels.GEMV_MAX_ROWS.update(dict.fromkeys(kernels.GEMV_MAX_ROWS, N_CTX))
     kernels.activations.cache_clear()
     try:
         yield
     finally:
-        os.environ["QUANT_ACTIVATIONS"] = saved[0]
-        kernels.GEMV_MAX_ROWS.update(saved[1])
+        os.environ["QUANT_ACTIVATIONS"] = saved
         kernels.activations.cache_clear()
 
 

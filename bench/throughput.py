@@ -44,8 +44,9 @@ QUESTIONS = [
 
 
 # QUANT values, float32 first; QUANT/KV_CACHE_DTYPE (int4/float32): int4 with a float32 KV cache
-# (its default, auto, is float16, as llama.cpp's server keeps its own)
-FORMATS = ("none", "int8", "int4", "int4/float32")
+# (its default, auto, is float16, as llama.cpp's server keeps its own); QUANT+a8 (int4+a8):
+# QUANT_ACTIVATIONS=int8, llama.cpp's own decode arithmetic
+FORMATS = ("none", "int8", "int4", "int4/float32", "int4+a8")
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
@@ -97,15 +98,27 @@ def bench_transformers(model_path: str, prompt: list[int], tokens: int) -> float
 def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens: int, fmt: str) -> tuple[float, int]:
     """In-process engine with `fmt` (a --formats entry): (tokens/s, weight bytes read per
     token). One stream: decode rate; more: aggregate."""
-    from backend.contract import GenerationRequest, SamplingParams
     from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
     from backend.runner.quant.apply import weight_bytes
 
-    quant, kv_cache_dtype = split_format(fmt)
-    engine = LLMEngine(
-        EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant, kv_cache_dtype=kv_cache_dtype)
-    )
+    quant, kv_cache_dtype, activations = split_format(fmt)
+    with quality.activations(activations == "int8"):
+        engine = LLMEngine(
+            EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        )
+        produced, seconds = _decode(engine, prompts, streams, tokens)
+    read = weight_bytes(engine.runner.model)
+    del engine
+    gc.collect()
+    return produced / seconds, read
+
+
+def _decode(engine, prompts: list[list[int]], streams: int, tokens: int) -> tuple[int, float]:
+    """(tokens, seconds) of `streams` greedy requests: one stream's decode after its first
+    token; more streams' whole run."""
+    from backend.contract import GenerationRequest, SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm up
     start = time.perf_counter()
@@ -118,20 +131,18 @@ def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens
             if first_token_at is None and out.token_ids:
                 first_token_at = time.perf_counter()
     end = time.perf_counter()
-    read = weight_bytes(engine.runner.model)
-    del engine
-    gc.collect()
     if streams == 1:
-        return (produced - 1) / (end - first_token_at), read
-    return produced / (end - start), read
+        return produced - 1, end - first_token_at
+    return produced, end - start
 
 
 def bench_http(model_path: str, prompts, prompts_2k, tokens: int, fmt: str) -> llamacpp.Figures:
     """Through Triton + HTTP, with llama-server's own measurement (bench/llamacpp.py)."""
     from launcher.stack import Stack
 
-    quant, kv_cache_dtype = split_format(fmt)
-    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": quant, "KV_CACHE_DTYPE": kv_cache_dtype}
+    quant, kv_cache_dtype, activations = split_format(fmt)
+    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": quant, "KV_CACHE_DTYPE": kv_cache_dtype,
+           "QUANT_ACTIVATIONS": activations}  # fmt: skip
     with Stack(model_path, env=env) as stack:
         url, name = stack.base_url.removesuffix("/v1"), stack.served_model_name
         llamacpp.decode_rate(url, prompts[0], 8, name)  # warm up
