@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from backend.runner import huge_pages
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.runner.models.llama import LlamaForCausalLM, ModelConfig
@@ -24,7 +25,11 @@ from backend.sampling.vocab import load_tokenizer
 
 
 def allocate_kv(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device) -> list:
+    """One cache a layer, [2, num_blocks, block_size, KV, head_dim], zeroed; on the CPU, on huge
+    pages (a decode step reads each sequence's blocks whole)."""
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if torch.device(device).type == "cpu":
+        return [huge_pages.zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

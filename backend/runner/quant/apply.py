@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from backend.runner import huge_pages
 from backend.runner.quant.formats import KINDS, QuantizedWeight, Tiles, quantize, tile_weight
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
 from backend.runner.quant.kernels import activations, gemm_dtype, native
@@ -79,6 +80,7 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
     head.tiles = _gemv_tiles(head)
     model.lm_head_q = head
+    _tiles_on_huge_pages([*(getattr(layer, a) for layer in model.layers for a in LINEARS), head])
     source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
     points = ("symmetric" if spec.symmetric else "zero points") + f", {activations()} activations"
     read = weight_bytes(model) / 1e6
@@ -91,6 +93,16 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
 def _gemv_tiles(weight: QuantizedWeight) -> Tiles | None:
     """The weight's copy in the layout of the GEMV that runs here (none: our kernels do not)."""
     return tile_weight(weight) if native() is not None else None
+
+
+def _tiles_on_huge_pages(weights: list[QuantizedWeight]) -> None:
+    """The tiles a decode step reads whole, moved into one region of huge pages (huge_pages.py)."""
+    tiles = [w.tiles for w in weights if w.tiles is not None]
+    if not tiles:  # our kernels do not run here
+        return
+    moved = huge_pages.copies([t for tile in tiles for t in (tile.data, tile.params)])
+    for tile, data, params in zip(tiles, moved[::2], moved[1::2], strict=True):
+        tile.data, tile.params = data, params
 
 
 def _same_shape(weight: QuantizedWeight, param: torch.Tensor) -> bool:
