@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench import llamacpp
+
+# The instructions our kernels and llama.cpp's choose between, named in the report: the same
+# code's ratios moved by more than the noise from one host to another (README "Speed")
+CPU_FLAGS = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 
 @dataclass(slots=True)
@@ -14,8 +20,26 @@ class FormatFigures:
     http: llamacpp.Figures | None = None
 
 
+def describe_cpu() -> str:
+    """This machine's CPU as /proc/cpuinfo names it: model, family / model numbers, cores,
+    and which of CPU_FLAGS it has ("unknown" where there is no /proc/cpuinfo)."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    has = ", ".join(f for f in CPU_FLAGS if f in flags) or "none of " + ", ".join(CPU_FLAGS)
+    return (
+        f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}), "
+        f"{len(os.sched_getaffinity(0))} cores to this process; {has}"
+    )
+
+
 @dataclass(slots=True)
 class Figures:
+    cpu: str = ""  # describe_cpu()
     bandwidth_gbs: float = 0.0
     gemm_gflops: float = 0.0
     linear_params: int = 0  # the decoder's linear weights: 2 flops each per prefilled token
@@ -62,6 +86,7 @@ def report(fig: Figures, concurrency: list[int]) -> str:
     width = 9 * len(concurrency)
     streams = "".join(f"{f'{n} str':>9}" for n in concurrency)
     lines = [
+        f"CPU: {fig.cpu}",
         f"memory read bandwidth: {fig.bandwidth_gbs:.1f} GB/s; tokens/s (bound: weights read per token over it)",
         "",
         f"{'':26}{'MB/token':>9}{'bound':>8} |{'in-process':^{width}} |{'Triton + HTTP':^{width}} | {'TTFT 2k':>8}",

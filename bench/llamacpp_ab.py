@@ -18,6 +18,7 @@ import argparse
 import statistics
 
 from bench import llamacpp
+from bench.figures import describe_cpu
 from bench.throughput import prompts_for
 
 
@@ -39,6 +40,7 @@ def main() -> None:
     from backend.runner.convert import ensure_default_model, gguf_path
     from launcher.stack import Stack
 
+    print(f"CPU: {describe_cpu()}", flush=True)
     model_path = str(ensure_default_model())
     prompts = prompts_for(AutoTokenizer.from_pretrained(model_path), max(args.streams, args.rounds))
     singles = long_prompts(prompts, args.context, args.rounds) if args.context else prompts

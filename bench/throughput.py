@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench import beams, grammar_cost, llamacpp, lora, quality, routing, sampler_cost, speculative, vision
-from bench.figures import Figures, FormatFigures, format_name, report, split_format
+from bench.figures import Figures, FormatFigures, describe_cpu, format_name, report, split_format
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -190,7 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts, prompts_2k = prompts_for(tokenizer, max(concurrency)), long_prompts(tokenizer)
     fig = Figures(
-        bandwidth_gbs=measure_bandwidth(), gemm_gflops=measure_gemm(), linear_params=_linear_params(model_path)
+        cpu=describe_cpu(),
+        bandwidth_gbs=measure_bandwidth(),
+        gemm_gflops=measure_gemm(),
+        linear_params=_linear_params(model_path),
     )
     print(f"transformers, 1 stream, {args.tokens} tokens ...", flush=True)
     fig.hf_single = bench_transformers(model_path, prompts[0], args.tokens)
