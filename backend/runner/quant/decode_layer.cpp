@@ -6,14 +6,17 @@
 //   h = rms_norm(x); qkv = h @ Wqkv (+ bias); RoPE on q and k; k, v written at their slots;
 //   x += attention(q, the cache) @ Wo (+ bias); h = rms_norm(x); x += (silu(g) * u) @ Wdown
 //
-// Arithmetic is the unfused path's up to the order of float additions (RoPE and SiLU are
-// written out here: x * cos + rotate_half(x) * sin, g / (1 + exp(-g)) * u).
+// Arithmetic is the unfused path's up to the order of float additions and SiLU's exp (RoPE
+// and SiLU are written out here: x * cos + rotate_half(x) * sin, g / (1 + exp(-g)) * u, the
+// exp Cephes', vec_exp.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
+#include <algorithm>
 #include <vector>
+
+#include "vec_exp.h"
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
@@ -29,30 +32,44 @@ enum Operand { kInputNorm, kQkv, kQkvParams, kQkvBias, kO, kOParams, kOBias, kPo
                kDown, kDownParams, kOperands };
 
 // RoPE in place on the first `heads` heads of each row of qkv [T, width]: rotate_half's sign
-// is in sin (llama.py `rotary`), its roll by D / 2 is the index (d + D / 2) % D.
+// is in sin (llama.py `rotary`), its roll by D / 2 the swap of the halves: v = h * cos +
+// swap(h) * sin, 16 lanes at a time (D is 32, 64 or 128: the paged kernel's sizes), each a
+// product, then a sum, as the scalar form under -ffp-contract=off.
 void rope(float* qkv, int64_t T, int64_t width, int64_t heads, int64_t D, const float* cos, const float* sin) {
-  std::vector<float> head(static_cast<size_t>(D));
+  TORCH_CHECK(D % 32 == 0, "rope: head_dim a multiple of 32");
+  const int64_t half = D / 2;
   for (int64_t t = 0; t < T; ++t) {
     const float *c = cos + t * D, *s = sin + t * D;
     for (int64_t h = 0; h < heads; ++h) {
       float* v = qkv + t * width + h * D;
-      std::copy(v, v + D, head.begin());
-      for (int64_t d = 0; d < D; ++d) v[d] = head[d] * c[d] + head[(d + D / 2) % D] * s[d];
+      for (int64_t d = 0; d < half; d += 16) {
+        const __m512 lo = _mm512_loadu_ps(v + d), hi = _mm512_loadu_ps(v + half + d);
+        _mm512_storeu_ps(v + d, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + d)),
+                                              _mm512_mul_ps(hi, _mm512_loadu_ps(s + d))));
+        _mm512_storeu_ps(v + half + d, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(c + half + d)),
+                                                     _mm512_mul_ps(lo, _mm512_loadu_ps(s + half + d))));
+      }
     }
   }
 }
 
-// act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
+// act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu(g) = g / (1 + exp(-g)) as torch
+// computes it, 16 lanes at a time (I: down's K, a multiple of 32; exp16 ~1e-7 from torch's).
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0, "silu_mul: an intermediate size a multiple of 16");
   torch::Tensor act = torch::empty({T, I}, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  at::parallel_for(0, T * I, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t t = j / I, i = j % I;
-      const float gate = g[t * 2 * I + i];
-      a[j] = gate / (1.0f + std::exp(-gate)) * g[t * 2 * I + I + i];
+  const __m512 one = _mm512_set1_ps(1.0f);
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *gate = g + t * 2 * I, *up = gate + I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 x = _mm512_loadu_ps(gate + i);
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_storeu_ps(a + t * I + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      }
     }
   });
   return act;

@@ -1,6 +1,6 @@
 // Decode attention over the paged KV cache (kernels.cpp binds it): one query token per
 // sequence against its cached keys / values, read in place through its block table, in
-// float32 over a float32 or float16 cache. Our softmax's exp is Cephes' (exp_nonpositive);
+// float32 over a float32 or float16 cache. Our softmax's exp is Cephes' (vec_exp.h);
 // otherwise the arithmetic is softmax(q k^T * scale) v's, up to the order of float additions.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -10,26 +10,9 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+#include "vec_exp.h"
 
-// exp(x) for x <= 0 (scores less their maximum), 16 at a time: Cephes' expf, e^x = 2^n e^r
-// with |r| <= ln2 / 2 and a degree-6 polynomial for e^r; relative error ~1e-7. Below -87
-// the result is 0 (as the float exp's is, near enough).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+namespace {
 
 // scores[0..L) <- exp(scores - max), returning their sum; the max in *most (-inf for L = 0).
 inline float softmax_numerators(float* scores, int64_t L, float* most) {
@@ -42,11 +25,11 @@ inline float softmax_numerators(float* scores, int64_t L, float* most) {
   const __m512 shift = _mm512_set1_ps(*most);
   __m512 total = _mm512_setzero_ps();
   for (l = 0; l + 16 <= L; l += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
     _mm512_storeu_ps(scores + l, e);
     total = _mm512_add_ps(total, e);
   }
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l), shift));
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l), shift));
   _mm512_mask_storeu_ps(scores + l, tail, e);
   total = _mm512_mask_add_ps(total, tail, total, e);
   return _mm512_reduce_add_ps(total);
