@@ -36,28 +36,23 @@ def _region(nbytes: int) -> torch.Tensor:
     return memory[start : start + nbytes]
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on huge pages, touched now (as torch.zeros's are), so that
     its memory is taken at start and no step pays its page faults."""
-    tensor = _region(_nbytes(shape, dtype)).view(dtype).view(tuple(shape))
+    tensor = _region(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(tuple(shape))
     return tensor.zero_()
 
 
 def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of CPU `tensors`, side by side in one region of huge pages."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, end = [], 0
-    for t in tensors:
+    for n in sizes:
         end = -(-end // _ALIGN) * _ALIGN
         offsets.append(end)
-        end += t.numel() * t.element_size()
+        end += n
     region = _region(end)
-    out = []
-    for t, at in zip(tensors, offsets, strict=True):
-        n = t.numel() * t.element_size()
-        copy = region[at : at + n].view(t.dtype).view(t.shape)
-        out.append(copy.copy_(t))
-    return out
+    return [
+        region[at : at + n].view(t.dtype).view(t.shape).copy_(t)
+        for t, at, n in zip(tensors, offsets, sizes, strict=True)
+    ]
