@@ -53,13 +53,13 @@ class Figures:
 
 
 def split_format(fmt: str) -> tuple[str, str, str]:
-    """A --formats entry -> (QUANT, KV_CACHE_DTYPE, QUANT_ACTIVATIONS): `int4` -> (int4, auto,
-    float32), `int4/float32`, `int4+a8` (int8 activations)."""
+    """A --formats entry, QUANT[+QUANT_ACTIVATIONS][/KV_CACHE_DTYPE] -> (QUANT, KV_CACHE_DTYPE,
+    QUANT_ACTIVATIONS): `int4` -> (int4, auto, auto), `int4+float32`, `int4/float32`."""
     head, _, kv_cache_dtype = fmt.partition("/")
-    quant, _, extra = head.partition("+")
-    if extra not in ("", "a8"):
-        raise ValueError(f"{fmt!r}: QUANT[+a8][/KV_CACHE_DTYPE]")
-    return quant, kv_cache_dtype or "auto", "int8" if extra else "float32"
+    quant, _, activations = head.partition("+")
+    if activations not in ("", "float32", "int8"):
+        raise ValueError(f"{fmt!r}: QUANT[+float32|+int8][/KV_CACHE_DTYPE]")
+    return quant, kv_cache_dtype or "auto", activations or "auto"
 
 
 def _row(name: str, weight_bytes: int, bound: float, engine: list[float], http: list[float], ttft: float) -> str:
@@ -141,6 +141,6 @@ def _streams_rate(figs: llamacpp.Figures, streams: int) -> float:
 def format_name(fmt: str) -> str:
     quant, kv_cache_dtype, activations = split_format(fmt)
     name = {"none": "ours float32", "int8": "ours int8 (g32)", "int4": "ours int4 (Q4_1 blocks)"}.get(quant, quant)
-    if activations == "int8":
-        name = f"{name.removesuffix(' (Q4_1 blocks)')}, int8 act."
+    if activations != "auto":
+        name = f"{name.removesuffix(' (Q4_1 blocks)')}, {activations} act."
     return name if kv_cache_dtype == "auto" else f"{name.removesuffix(' (Q4_1 blocks)')}, KV {kv_cache_dtype}"

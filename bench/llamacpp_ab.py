@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--quant", default="int4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE of our server")
     parser.add_argument("--context", type=int, default=0, help="one stream's prompt in tokens (0: a chat prompt)")
-    parser.add_argument("--activations", default="float32", help="QUANT_ACTIVATIONS of our server")
+    parser.add_argument("--activations", default="auto", help="QUANT_ACTIVATIONS of our server")
     args = parser.parse_args()
     binary = llamacpp.server_binary()
     if binary is None:

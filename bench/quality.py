@@ -10,7 +10,7 @@
 
 `python -m bench.quality` prints them for QUANT=none, int8 and int4 (and any
 `--formats int4:64:sym,...`: kind:group[:sym][:a8]; a8: QUANT_ACTIVATIONS=int8, on every
-row, the perplexity's 512-token chunks and their logits too).
+row, the perplexity's 512-token chunks and their logits too; without it, float32).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list
     prompts = chat_prompts(tokenizer)
     results, reference = [], None
     for kind, group, symmetric, int8_activations in [("none", 32, False, False), *formats]:
-        with activations(int8_activations):
+        with activations("int8" if int8_activations else "float32"):
             model = load(model_path, kind, group, symmetric)
             ppl, count = perplexity(model, ids)
             del model
@@ -161,13 +161,12 @@ def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list
 
 
 @contextlib.contextmanager
-def activations(int8: bool):
-    """QUANT_ACTIVATIONS=int8, or as set."""
+def activations(name: str):
+    """QUANT_ACTIVATIONS=name for the models loaded within."""
     from backend.runner.quant import kernels
 
     saved = kernels.activations()
-    if int8:
-        os.environ["QUANT_ACTIVATIONS"] = "int8"
+    os.environ["QUANT_ACTIVATIONS"] = name
     kernels.activations.cache_clear()
     try:
         yield
@@ -203,7 +202,8 @@ def _format(text: str) -> tuple[str, int, bool, bool]:
 def main(model_path: str | None = None, formats: list[tuple[str, int, bool, bool]] | None = None) -> list[Quality]:
     from backend.runner.convert import ensure_default_model
 
-    formats = formats or [("int8", 32, True, False), ("int4", 32, False, False)]
+    # int4 a8: what QUANT=auto serves the default model with (QUANT_ACTIVATIONS=auto)
+    formats = formats or [("int8", 32, True, False), ("int4", 32, False, False), ("int4", 32, False, True)]
     results = measure(model_path or str(ensure_default_model()), formats)
     print(report(results))
     return results
@@ -212,6 +212,6 @@ def main(model_path: str | None = None, formats: list[tuple[str, int, bool, bool
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Hugging Face folder (default: the converted default model)")
-    parser.add_argument("--formats", default="int8:32,int4:32", help="kind:group[:sym], comma-separated")
+    parser.add_argument("--formats", default="int8:32,int4:32,int4:32:a8", help="kind:group[:sym][:a8], ...")
     args = parser.parse_args()
     main(args.model, [_format(f) for f in args.formats.split(",")])

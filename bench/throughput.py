@@ -43,10 +43,11 @@ QUESTIONS = [
 ]
 
 
-# QUANT values, float32 first; QUANT/KV_CACHE_DTYPE (int4/float32): int4 with a float32 KV cache
-# (its default, auto, is float16, as llama.cpp's server keeps its own); QUANT+a8 (int4+a8):
-# QUANT_ACTIVATIONS=int8, llama.cpp's own decode arithmetic
-FORMATS = ("none", "int8", "int4", "int4/float32", "int4+a8")
+# QUANT values, float32 first; QUANT+QUANT_ACTIVATIONS (int4+float32): int4 (whose default
+# activations, auto, are int8, llama.cpp's own arithmetic) times float32 activations;
+# QUANT+../KV_CACHE_DTYPE (int4+float32/float32): and a float32 KV cache (its default, auto, is
+# float16, as llama.cpp's server keeps its own): float32's exact numbers from the Q4_1 blocks
+FORMATS = ("none", "int8", "int4", "int4+float32", "int4+float32/float32")
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
@@ -103,7 +104,7 @@ def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens
     from backend.runner.quant.apply import weight_bytes
 
     quant, kv_cache_dtype, activations = split_format(fmt)
-    with quality.activations(activations == "int8"):
+    with quality.activations(activations):
         engine = LLMEngine(
             EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant, kv_cache_dtype=kv_cache_dtype)
         )
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Hugging Face folder (default: the converted default model)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per stream")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="QUANT[/KV_CACHE_DTYPE] values, comma-separated")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="QUANT[+QUANT_ACTIVATIONS][/KV_CACHE_DTYPE], ...")
     parser.add_argument("--json", default="build/bench.json", help="where to write the figures")
     parser.add_argument("--only-throughput", action="store_true", help="skip the other benchmarks")
     args = parser.parse_args(argv)

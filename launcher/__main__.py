@@ -68,7 +68,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _warn_if_exposed(args.host)
     ui = _ui_on()
     quant = os.environ.get("QUANT") or "auto (the default model: int4, its GGUF's Q4_1 blocks)"
-    print(f"weights: QUANT={quant}; QUANT=none serves float32 (README: Quantization)", flush=True)
+    activations = os.environ.get("QUANT_ACTIVATIONS") or "auto (int4 weights: int8 where the CPU has VNNI)"
+    print(
+        f"weights: QUANT={quant}, QUANT_ACTIVATIONS={activations}; QUANT=none serves float32, "
+        "QUANT_ACTIVATIONS=float32 float32's numbers from quantized weights (README: Quantization)",
+        flush=True,
+    )
     signal.signal(signal.SIGTERM, _on_sigterm)
     replicas = _replicas()
     if replicas > 1:

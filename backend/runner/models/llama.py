@@ -26,7 +26,7 @@ from backend.runner.attention import (
 )
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.quant.formats import QuantizedWeight
-from backend.runner.quant.kernels import EMPTY, PAGED_HEAD_DIMS, activations, native, quant_linear, rms_norm
+from backend.runner.quant.kernels import EMPTY, PAGED_HEAD_DIMS, native, quant_linear, rms_norm
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class DecoderLayer(torch.nn.Module):
         return native().decode_layer(
             x, self._decode_operands, cos, sin, kv.keys, kv.values, slots, rows.tables, rows.lens,
             kv.cache.shape[2], rows.window or 0, self.num_heads, self.num_kv_heads, self.scale, self.eps,
-            activations() == "int8",
+            self.qkv_t.tiles.activations == "int8",
         )  # fmt: skip
 
     def forward(

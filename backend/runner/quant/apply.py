@@ -20,7 +20,7 @@ import torch
 from backend.runner import huge_pages
 from backend.runner.quant.formats import KINDS, QuantizedWeight, Tiles, quantize, tile_weight
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
-from backend.runner.quant.kernels import activations, gemm_dtype, native
+from backend.runner.quant.kernels import activations, activations_for, gemm_dtype, native
 
 LINEARS = ("qkv_t", "o_proj_t", "gate_up_t", "down_t")
 LM_HEAD_GROUP = 32
@@ -59,6 +59,7 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights and our kernels; QUANT is {spec.kind}")
     if spec.kind == "none":
         return 0
+    multiplied_by = activations_for(spec.kind)
     native()  # built (make setup) or built now, at load, rather than at the first request
     gemm_dtype()  # a bad QUANT_GEMM fails the load, not a request's first long step
     cfg = model.config
@@ -72,17 +73,17 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
             weight = taken.get(f"layers.{i}.{attr}")
             if weight is None or not _same_shape(weight, param):
                 weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
-            weight.tiles = _gemv_tiles(weight)
+            weight.tiles = _gemv_tiles(weight, multiplied_by)
             del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
             setattr(layer, attr, weight)
     head = taken.get("lm_head_t")
     if head is None or not _same_shape(head, model.lm_head_t):  # int8, as GGUF's Q8_0
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
-    head.tiles = _gemv_tiles(head)
+    head.tiles = _gemv_tiles(head, multiplied_by)
     model.lm_head_q = head
     _tiles_on_huge_pages([*(getattr(layer, a) for layer in model.layers for a in LINEARS), head])
     source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
-    points = ("symmetric" if spec.symmetric else "zero points") + f", {activations()} activations"
+    points = ("symmetric" if spec.symmetric else "zero points") + f", {multiplied_by} activations"
     read = weight_bytes(model) / 1e6
     print(
         f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr
@@ -90,9 +91,9 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
     return len(taken)
 
 
-def _gemv_tiles(weight: QuantizedWeight) -> Tiles | None:
+def _gemv_tiles(weight: QuantizedWeight, multiplied_by: str) -> Tiles | None:
     """The weight's copy in the layout of the GEMV that runs here (none: our kernels do not)."""
-    return tile_weight(weight) if native() is not None else None
+    return tile_weight(weight, multiplied_by) if native() is not None else None
 
 
 def _tiles_on_huge_pages(weights: list[QuantizedWeight]) -> None:

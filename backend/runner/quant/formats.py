@@ -37,6 +37,7 @@ class Tiles:
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
     # mins (symmetric int8), [.., TILE]: the scales alone
     params: torch.Tensor
+    activations: str = "float32"  # what the GEMV multiplies them by: float32, or int8 (tiles_a8.cpp)
 
 
 @dataclass(slots=True, eq=False)
@@ -111,8 +112,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
 
 
-def tile_weight(weight: QuantizedWeight) -> Tiles | None:
-    """`weight` as Tiles; None where its rows do not make whole tiles."""
+def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles | None:
+    """`weight` as Tiles multiplied by `activations`; None where its rows do not make whole tiles."""
     if weight.out_features % TILE:
         return None
     tiles, blocks = weight.out_features // TILE, weight.in_features // BLOCK
@@ -124,7 +125,7 @@ def tile_weight(weight: QuantizedWeight) -> Tiles | None:
         return values.reshape(tiles, TILE, blocks).transpose(1, 2)
 
     parts = [per_block(weight.scales)] + ([] if weight.mins is None else [per_block(weight.mins)])
-    return Tiles(data, torch.cat(parts, dim=2).contiguous())
+    return Tiles(data, torch.cat(parts, dim=2).contiguous(), activations)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,13 @@ if os.environ.get("QUANT_GEMV_MAX_ROWS"):
 GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 # QUANT_ACTIVATIONS=int8: tiles meet activations rounded to int8 in blocks of 32 at every row
 # count (tiles_a8.cpp, AVX-512 VNNI), as llama.cpp's Q4_1 / Q8_0 x Q8_1 (a cap on the rows
-# made a row's arithmetic depend on its batch); weights without tiles stay float32.
+# made a row's arithmetic depend on its batch); weights without tiles stay float32. auto (the
+# default): int8 where the decoder's linears are int4 (the default model's Q4_1: llama.cpp's
+# own arithmetic on its own weights, within its perplexity), float32 otherwise.
 # Against the float32 tiles on the default model's 120 int4 linears it measured 1.05-1.36x
 # at 1 row (memory-bound), ~1.55x at 12-64 rows, 1.4-1.5x from 128 to 1024; the int8
 # lm_head 1.54x at 1 row, ~1.03x from 12 to 64.
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("auto", "float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _SOURCES = [
     str(Path(__file__).with_name(name))
@@ -104,7 +106,7 @@ def quant_linear(
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)
     b = EMPTY if bias is None else bias
-    if weight.tiles is not None and activations() == "int8":
+    if weight.tiles is not None and weight.tiles.activations == "int8":
         return lib.tiled_matmul_a8(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
     gemv = x.shape[0] <= (gemv_rows or GEMV_MAX_ROWS[weight.kind])
     if weight.tiles is not None and (gemv or gemm_dtype() == torch.float32):
@@ -144,13 +146,21 @@ def gemm_dtype() -> torch.dtype:
 
 @functools.cache
 def activations() -> str:
-    """QUANT_ACTIVATIONS: what the GEMV multiplies g32 weights by (ACTIVATIONS); read
-    once per process (a step calls it per layer)."""
-    name = os.environ.get("QUANT_ACTIVATIONS") or "float32"
+    """QUANT_ACTIVATIONS as set (ACTIVATIONS); read once per process."""
+    name = os.environ.get("QUANT_ACTIVATIONS") or "auto"
     if name not in ACTIVATIONS:
         raise ValueError(f"QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
     if name == "int8" and "avx512_vnni" not in _cpu_flags():
         raise ValueError("QUANT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI")
+    return name
+
+
+def activations_for(kind: str) -> str:
+    """What the tiles of a model whose decoder linears are `kind` (QUANT) multiply: float32
+    or int8, QUANT_ACTIVATIONS with auto resolved (int8 for int4 where the CPU has VNNI)."""
+    name = activations()
+    if name == "auto":
+        name = "int8" if kind == "int4" and "avx512_vnni" in _cpu_flags() else "float32"
     return name
 
 

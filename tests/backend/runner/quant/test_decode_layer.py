@@ -103,7 +103,7 @@ def test_the_fused_decode_layer_matches_the_layer_by_layer_path(
         # one step of the 36 measured 5.6e-3 apart, the others <= 1.5e-6
         assert sorted(apart)[-2] < 1e-5 and max(apart) < 2e-2
     use_activations("int8" if activations == "float32" else "float32")
-    other = _decode_logits(model, prompts, steps=1)[0]
+    other = _decode_logits(_quantized(CONFIGS[name](), tmp_path / "other", kind), prompts, steps=1)[0]
     assert (other - plain[0]).abs().max().item() > 1e-4
 
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
+from backend.runner.loader import load_model
 from backend.runner.quant import kernels
-from backend.runner.quant.apply import QuantSpec, quantize_model
+from backend.runner.quant.apply import LINEARS, QuantSpec, quantize_model
 from backend.runner.quant.formats import dequantize, dequantize_activations, quantize, quantize_activations, tile_weight
 
 needs_vnni = pytest.mark.skipif(
     kernels.native() is None or "avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU"
 )
-
-
-@pytest.fixture
-def int8_activations(use_activations):
-    use_activations("int8")
 
 
 def _reference(x: torch.Tensor, weight, bias) -> torch.Tensor:
@@ -42,12 +39,10 @@ def test_activations_round_per_block_of_32():
 @pytest.mark.parametrize("in_features, group", [(96, 32), (384, 128), (576, 32), (576, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kind, symmetric", [("int4", False), ("int8", False), ("int8", True)])
-def test_int8_activation_kernel_matches_its_reference(
-    int8_activations, rows, in_features, group, with_bias, kind, symmetric
-):
+def test_int8_activation_kernel_matches_its_reference(rows, in_features, group, with_bias, kind, symmetric):
     gen = torch.Generator().manual_seed(rows * 100 + in_features)
     weight = quantize(torch.randn(204, in_features, generator=gen) * 0.05 + 0.01, kind, group, symmetric)
-    weight.tiles = tile_weight(weight)
+    weight.tiles = tile_weight(weight, "int8")
     x = torch.randn(rows, in_features, generator=gen)
     x[0, :32] = 0  # an all-zero block
     bias = torch.randn(204, generator=gen) if with_bias else None
@@ -61,9 +56,9 @@ def test_int8_activation_kernel_matches_its_reference(
 
 
 @needs_vnni
-def test_a_weight_without_tiles_keeps_float32_activations(int8_activations):
+def test_a_weight_without_tiles_keeps_float32_activations():
     untiled = quantize(torch.randn(66, 128) * 0.05, "int4", 32, False)
-    assert tile_weight(untiled) is None
+    assert tile_weight(untiled, "int8") is None
     x = torch.randn(3, 128)
     exact = x.double() @ dequantize(untiled).double().t()
     assert ((kernels.quant_linear(x, untiled).double() - exact).norm() / exact.norm()).item() < 1e-6
@@ -73,7 +68,7 @@ def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
     monkeypatch.setenv("QUANT_ACTIVATIONS", "int4")
     kernels.activations.cache_clear()
     try:
-        with pytest.raises(ValueError, match="QUANT_ACTIVATIONS must be one of float32, int8"):
+        with pytest.raises(ValueError, match="QUANT_ACTIVATIONS must be one of auto, float32, int8"):
             kernels.activations()
         if "avx512_vnni" in kernels._cpu_flags():
             monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
@@ -82,3 +77,26 @@ def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
                 quantize_model(torch.nn.Module(), QuantSpec("none", 32))
     finally:
         kernels.activations.cache_clear()
+
+
+@pytest.mark.parametrize("setting", ["auto", "float32", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_auto_gives_int4_weights_int8_activations_and_the_tiles_carry_them(use_activations, tmp_path, setting, kind):
+    """QUANT_ACTIVATIONS=auto (the default): int8 activations for int4 linears where the CPU
+    has VNNI (llama.cpp's arithmetic on Q4_1), float32 for int8 ones; every tile of the
+    model, the lm_head's too, is multiplied alike."""
+    vnni = "avx512_vnni" in kernels._cpu_flags()
+    if setting == "int8" and not vnni:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    use_activations(setting)
+    want = {"auto": "int8" if kind == "int4" and vnni else "float32"}.get(setting, setting)
+    assert kernels.activations_for(kind) == want
+    if kernels.native() is None:
+        return
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    quantize_model(model, QuantSpec(kind, 32))
+    tiles = [getattr(layer, a).tiles for layer in model.layers for a in LINEARS] + [model.lm_head_q.tiles]
+    assert {t.activations for t in tiles} == {want}
