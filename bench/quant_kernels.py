@@ -7,8 +7,9 @@ batched decode; 512: a prefill chunk), microseconds per call of:
   (tiles.cpp at every row count);
 - ours (rows): `quant_linear` on GGUF's row layout alone (the row-layout GEMV or the
   dequantize-then-GEMM);
-- ours int4 x int8: q8_kernels.cpp (QUANT_ACTIVATIONS=int8: activations rounded to int8 per
-  32, integer dot products), at every row count;
+- ours int4 / int8 (tiles, a8): the same tiles times activations rounded to int8 per 32
+  (tiles_a8.cpp, integer dot products; int4's default, QUANT_ACTIVATIONS=auto, on a CPU
+  with AVX-512 VNNI), at every row count;
 - torch int8: `aten._weight_int8pack_mm` (int8 weights, one scale per output channel), with
   bf16 activations (float32 ones measured far slower);
 - torch int4: `aten._weight_int4pack_mm_for_cpu` on `_convert_weight_to_int4pack_for_cpu`'s
@@ -52,9 +53,9 @@ def _torch_int4(w: torch.Tensor):
     return packed, torch.stack([qw.scales.t(), zeros.t()], dim=-1).contiguous().bfloat16()
 
 
-def _tiled(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+def _tiled(weights: list[QuantizedWeight], activations: str = "float32") -> list[QuantizedWeight]:
     """Copies of `weights` with their Tiles (as apply.py loads them where the kernels run)."""
-    return [QuantizedWeight(w.kind, w.q, w.scales, w.mins, w.group, tile_weight(w)) for w in weights]
+    return [QuantizedWeight(w.kind, w.q, w.scales, w.mins, w.group, tile_weight(w, activations)) for w in weights]
 
 
 def _candidates(w_list: list[torch.Tensor]):
@@ -64,15 +65,19 @@ def _candidates(w_list: list[torch.Tensor]):
     int8_channel = [torch.round(w / s).to(torch.int8) for w, s in zip(w_list, channel, strict=True)]
     t4 = [_torch_int4(w) for w in w_list]
     f32 = [w.t().contiguous() for w in w_list]
-    q8 = native().quant_matmul_q8 if native() is not None and "avx512_vnni" in _cpu_flags() else None
-    none = torch.empty(0)
+    vnni = native() is not None and "avx512_vnni" in _cpu_flags()
     int8_tiles, int4_tiles = _tiled(int8), _tiled(int4)
+    int8_a8, int4_a8 = (_tiled(int8, "int8"), _tiled(int4, "int8")) if vnni else ([], [])
+    a8 = {
+        "ours int8 (tiles, a8)": lambda x, i: quant_linear(x, int8_a8[i]),
+        "ours int4 (tiles, a8)": lambda x, i: quant_linear(x, int4_a8[i]),
+    }
     return {
         "ours int8 (tiles)": lambda x, i: quant_linear(x, int8_tiles[i]),
         "ours int4 (tiles)": lambda x, i: quant_linear(x, int4_tiles[i]),
         "ours int8 (rows)": lambda x, i: quant_linear(x, int8[i]),
         "ours int4 (rows)": lambda x, i: quant_linear(x, int4[i]),
-        **({"ours int4 x int8": lambda x, i: q8(x, int4[i].q, int4[i].scales, int4[i].mins, none)} if q8 else {}),
+        **(a8 if vnni else {}),
         "torch int8 (bf16 x)": lambda x, i: torch.ops.aten._weight_int8pack_mm(
             x.bfloat16(), int8_channel[i], channel[i][:, 0].bfloat16()
         ),
