@@ -9,7 +9,7 @@ layer), for a float32 cache and a float16 one on the same weights. Greedy agreem
 bench.quality's 20 chat prompts through the engine, one stream at a time, against the
 float32 cache's tokens.
 
-    python -m bench.kv_quality [--quant int4]
+    python -m bench.kv_quality [--quant int4] [--activations float32 | int8 | auto]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from bench.quality import HELDOUT, N_CTX, agreement, chat_prompts, greedy_tokens, load
+from bench.quality import HELDOUT, N_CTX, activations, agreement, chat_prompts, greedy_tokens, load
 
 BLOCK_SIZE = 16
 
@@ -50,7 +50,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.kv_quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Hugging Face folder (default: the converted default model)")
     parser.add_argument("--quant", default="int4", help="QUANT of both runs")
+    parser.add_argument("--activations", default="float32", help="QUANT_ACTIVATIONS of both runs (float32: "
+                        "the cache's cost alone; the default model's default, auto, rounds them to int8)")  # fmt: skip
     args = parser.parse_args()
+    with activations(args.activations):
+        _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from backend.runner.convert import ensure_default_model

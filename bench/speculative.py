@@ -2,8 +2,10 @@
 
 Each workload runs its requests twice on the same in-process engine (SPECULATIVE=auto,
 the default; prefix caching off, so neither run reuses the other's KV), plain first,
-then speculating; the tokens are the same both times (greedy, lossless), so the
-figures compare like with like:
+then speculating; the tokens are the same both times (greedy, lossless; with the default
+model's default int8 activations a verify step's rows can round apart from a decode step's,
+README "Quantization", so an answer may part from the plain one late), so the figures
+compare like with like:
 
 - code editing with Predicted Outputs: a ~300-token function, "rename this variable",
   the original as the prediction;
