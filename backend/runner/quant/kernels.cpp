@@ -339,6 +339,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch:
 // tiles.cpp, tiles_a8.cpp
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+// first_max.cpp
+torch::Tensor first_max(torch::Tensor x);
 // decode_layer.cpp
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
@@ -355,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, nogil, "dequant(W) [N, K], float32 or bf16");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row of float32 x [T, H]");
+  m.def("first_max", &first_max, nogil, "each row's argmax, the first of ties, NaN the largest");
   m.def("decode_attention", &decode_attention, nogil, "one query token's attention over consecutive cached keys");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence, attending over its cached keys through its block table");

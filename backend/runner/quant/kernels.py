@@ -45,7 +45,7 @@ ACTIVATIONS = ("auto", "float32", "int8")
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _SOURCES = [
     str(Path(__file__).with_name(name))
-    for name in ("kernels.cpp", "paged_attention.cpp", "tiles.cpp", "tiles_a8.cpp", "decode_layer.cpp")
+    for name in ("kernels.cpp", "paged_attention.cpp", "tiles.cpp", "tiles_a8.cpp", "decode_layer.cpp", "first_max.cpp")
 ]
 
 
