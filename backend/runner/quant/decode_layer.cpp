@@ -21,6 +21,9 @@
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+void tiled_matmul_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+void tiled_matmul_a8_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params,
+                         torch::Tensor bias);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);
@@ -112,6 +115,10 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
     return int8_activations ? tiled_matmul_a8(in, weights[w], weights[w + 1], bias)
                           : tiled_matmul(in, weights[w], weights[w + 1], bias);
   };
+  const auto residual = [&](const torch::Tensor& in, int w, const torch::Tensor& bias) {  // x += linear(in)
+    int8_activations ? tiled_matmul_a8_add(x, in, weights[w], weights[w + 1], bias)
+                     : tiled_matmul_add(x, in, weights[w], weights[w + 1], bias);
+  };
   torch::Tensor qkv = linear(rms_norm(x, weights[kInputNorm], eps), kQkv, weights[kQkvBias]);
   TORCH_CHECK(qkv.size(1) == width, "qkv: [T, (H + 2 KV) * D]");
   float* qp = qkv.data_ptr<float>();
@@ -125,8 +132,8 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
   }
   torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
   torch::Tensor attn = paged_decode_attention(q, keys, values, tables, lens, block_size, scale, window);
-  x.add_(linear(attn.view({T, H * D}), kO, weights[kOBias]));
+  residual(attn.view({T, H * D}), kO, weights[kOBias]);
   torch::Tensor gate_up = linear(rms_norm(x, weights[kPostNorm], eps), kGateUp, torch::Tensor());
-  x.add_(linear(silu_mul(gate_up), kDown, torch::Tensor()));
+  residual(silu_mul(gate_up), kDown, torch::Tensor());
   return x;
 }

@@ -15,3 +15,6 @@ struct TileOperands {
 // bias: [N], or undefined / empty for none.
 TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                  const torch::Tensor& bias);
+
+// y: contiguous float32 [M, N], the output a product is added into (tiled_matmul_add, _a8_add).
+void check_accumulator(const torch::Tensor& y, const TileOperands& o);

@@ -31,6 +31,7 @@ struct Tiles {
   const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without mins)
   const float* bias;     // [N] or null
   int64_t N, K, blocks;
+  bool accumulate;       // y += the product (tiled_matmul_add), else y = it
 };
 
 // A block's weights 0..15 and 16..31 of tile row t, as float32: int4 through a 16-entry table
@@ -121,7 +122,10 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
   for (int t = 0; t < kTile; ++t) {
     const int64_t n = tile * kTile + t;
     const float add = w.bias != nullptr ? w.bias[n] : 0.f;
-    for (int r = 0; r < R; ++r) y[r * w.N + n] = sums[t * 4 + r] + add;
+    for (int r = 0; r < R; ++r) {
+      const float value = sums[t * 4 + r] + add;
+      y[r * w.N + n] = w.accumulate ? y[r * w.N + n] + value : value;
+    }
   }
 }
 
@@ -248,12 +252,13 @@ TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& da
   return {x.size(0), N, x.size(1), blocks, int4, mins, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
 }
 
-torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
-  const TileOperands o = check_tile_operands(x, data, params, bias);
-  torch::Tensor y = torch::empty({o.M, o.N}, x.options());
-  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, o.N, o.K, o.blocks};
+namespace {
+
+void tiled_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
+                float* yp, bool accumulate) {
+  const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, o.N, o.K, o.blocks,
+                accumulate};
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   if (o.int4) {
     run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk);
   } else if (o.mins) {
@@ -261,5 +266,26 @@ torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor pa
   } else {
     run<TileDecoder<false, false>>(w, xp, yp, o.M, o.chunk);
   }
+}
+
+}  // namespace
+
+void check_accumulator(const torch::Tensor& y, const TileOperands& o) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.size(0) == o.M &&
+                  y.size(1) == o.N, "y: contiguous float32 [M, N]");
+}
+
+torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+  const TileOperands o = check_tile_operands(x, data, params, bias);
+  torch::Tensor y = torch::empty({o.M, o.N}, x.options());
+  tiled_into(o, x, data, params, y.data_ptr<float>(), false);
   return y;
+}
+
+// y += x @ dequant(W)^T (+ bias), as y + (the product + bias): the decode layer's residual
+// adds, each value added by the thread that computed it, where it wrote it.
+void tiled_matmul_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+  const TileOperands o = check_tile_operands(x, data, params, bias);
+  check_accumulator(y, o);
+  tiled_into(o, x, data, params, y.data_ptr<float>(), true);
 }

@@ -58,6 +58,7 @@ struct Problem {
   const Activations* x;
   float* y;             // [M, N]
   int64_t N, K, blocks, params_per_block, chunk;
+  bool accumulate;      // y += the product (tiled_matmul_a8_add), else y = it
 };
 
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -132,7 +133,9 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
       float sum = 0.f;
       for (int l = 0; l < kLanes; ++l) sum += lanes[t * kLanes + l];
       const int64_t n = tile * kTile + t;
-      p.y[(r0 + r) * p.N + n] = sum + mins[t] + (p.bias != nullptr ? p.bias[n] : 0.f);
+      const float value = sum + mins[t] + (p.bias != nullptr ? p.bias[n] : 0.f);
+      float& out = p.y[(r0 + r) * p.N + n];
+      out = p.accumulate ? out + value : value;
     }
   }
 }
@@ -158,14 +161,13 @@ VNNI void run(const Problem& p, int64_t M) {
 
 }  // namespace
 
-// y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles
-// (tiles.cpp's operands).
-torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
-  const TileOperands o = check_tile_operands(x, data, params, bias);
+namespace {
+
+void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data,
+                   const torch::Tensor& params, float* yp, bool accumulate) {
   const Activations a = quantize(x.data_ptr<float>(), o.M, o.K, !o.int4);
-  torch::Tensor y = torch::empty({o.M, o.N}, x.options());
-  const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a,
-                  y.data_ptr<float>(), o.N, o.K, o.blocks, params.size(2), o.chunk};
+  const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
+                  o.N, o.K, o.blocks, params.size(2), o.chunk, accumulate};
   if (o.int4) {
     run<true, true>(p, o.M);
   } else if (o.mins) {
@@ -173,5 +175,23 @@ torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor
   } else {
     run<false, false>(p, o.M);
   }
+}
+
+}  // namespace
+
+// y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles
+// (tiles.cpp's operands).
+torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
+  const TileOperands o = check_tile_operands(x, data, params, bias);
+  torch::Tensor y = torch::empty({o.M, o.N}, x.options());
+  tiled_a8_into(o, x, data, params, y.data_ptr<float>(), false);
   return y;
+}
+
+// y += the same product (+ bias), as y + (product + bias): tiled_matmul_add's, int8 activations.
+void tiled_matmul_a8_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params,
+                         torch::Tensor bias) {
+  const TileOperands o = check_tile_operands(x, data, params, bias);
+  check_accumulator(y, o);
+  tiled_a8_into(o, x, data, params, y.data_ptr<float>(), true);
 }
