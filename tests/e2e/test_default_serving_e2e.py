@@ -58,6 +58,8 @@ def served(default_client) -> str:
 
 
 def test_the_default_is_the_q4_1_blocks_times_int8_activations(default_stack, logs):
+    if kernels.native() is None:
+        pytest.skip("no AVX-512 kernels: QUANT=auto serves float32")
     text = "".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
     multiplied_by = "int8" if VNNI else "float32"
     assert f"QUANT=int4 (groups of 32, zero points, {multiplied_by} activations)" in text

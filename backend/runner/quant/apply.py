@@ -59,8 +59,9 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights and our kernels; QUANT is {spec.kind}")
     if spec.kind == "none":
         return 0
-    multiplied_by = activations_for(spec.kind)
-    native()  # built (make setup) or built now, at load, rather than at the first request
+    # built (make setup) or built now, at load, rather than at the first request; without it
+    # the weights have no tiles and multiply float32 activations
+    multiplied_by = activations_for(spec.kind) if native() is not None else "float32"
     gemm_dtype()  # a bad QUANT_GEMM fails the load, not a request's first long step
     cfg = model.config
     taken: dict[str, QuantizedWeight] = {}
