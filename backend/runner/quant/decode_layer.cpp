@@ -97,7 +97,7 @@ void store_kv(torch::Tensor& cache, int64_t at, const float* row, int64_t n) {
 // x [T, hidden] float32 contiguous, updated in place and returned. cos, sin [T, D]; keys,
 // values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [T, max_blocks];
 // lens [T]: the paged kernel's operands. int8_activations: the linears take tiles_a8.cpp's
-// GEMV (QUANT_ACTIVATIONS=int8), else tiles.cpp's.
+// GEMV (the tiles' `Tiles.activations`: QUANT_ACTIVATIONS), else tiles.cpp's.
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,

@@ -101,7 +101,7 @@ def quant_linear(
     """x: [M, in] @ the weight's [in, out] (+ bias) -> [M, out], x's dtype. Up to `gemv_rows`
     rows (default: GEMV_MAX_ROWS of the weight's kind) the GEMV kernel runs; a weight with
     tiles takes the tiles' GEMV at every row count while the GEMM would be float32's (with
-    QUANT_ACTIVATIONS=int8, its int8-activation GEMV at every row count)."""
+    tiles multiplying int8 activations, `Tiles.activations`: their GEMV at every row count)."""
     lib = native() if x.is_cpu and x.dtype == torch.float32 else None
     if lib is None:
         return F.linear(x, dequantize(weight).to(device=x.device, dtype=x.dtype), bias)

@@ -1,4 +1,4 @@
-// The GEMV over tiles (formats.py `Tiles`) with int8 activations (QUANT_ACTIVATIONS=int8;
+// The GEMV over tiles (formats.py `Tiles`) with int8 activations (`Tiles.activations`: QUANT_ACTIVATIONS;
 // AVX-512 VNNI), the decode arithmetic of llama.cpp's Q4_1 / Q8_0 x Q8_1:
 // y[M, N] = xq[M, K] @ W^T (+ bias), each row of x first rounded to int8 in blocks of 32
 // (d = max |x| / 127, q = round(x / d): formats.quantize_activations).
