@@ -1,7 +1,7 @@
 // Each row's argmax over float32 logits, the first of tied maxima, a NaN counting as the
 // largest (the first NaN): torch's max(dim=-1).indices on the CPU, which the sampler took for
-// every step's tokens and which measured ~30 us a 49k row (~0.9 ms a 32-row step) against
-// ~3 us here: two AVX-512 passes, the largest value, then its first position.
+// every step's tokens and which measured 45 us for one 49k row and 664 us for 32 against 5 and
+// 55 here: two AVX-512 passes, the largest value, then its first position.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
