@@ -82,10 +82,23 @@ def native():
 def _build(folder: Path):
     from torch.utils.cpp_extension import load
 
+    # torch runs the first `ninja` on PATH. Every process must run the same one: two ninja
+    # versions hash a command differently, so each rebuilt what the other had built (the
+    # setup's /usr/bin/ninja against the stub's, whose PATH starts with the venv's bin/).
+    _venv_bin_first()
+
     # -ffp-contract=off: the dequantization multiplies then adds, as the reference does
     cflags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
     return load(name="tritonllm_quant", sources=_SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                 build_directory=str(folder), verbose=False)  # fmt: skip
+
+
+def _venv_bin_first() -> None:
+    """This Python's bin/ (where requirements.txt's ninja is) first on PATH."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join(p for p in (bin_dir, path) if p)
 
 
 def _bits(weight: QuantizedWeight) -> int:
