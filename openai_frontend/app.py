@@ -17,6 +17,7 @@ from openai_frontend.api import lora, tokenize
 from openai_frontend.api.errors import install_handlers
 from openai_frontend.api.routes import router
 from openai_frontend.api.serving import Serving
+from openai_frontend.generation.chat_template import TemplateBudget
 from openai_frontend.generation.engine_client import TritonLLM
 from openai_frontend.generation.replicas import Replicas
 from openai_frontend.generation.routing import RoutingPolicy
@@ -67,7 +68,10 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     if settings.dump_dir:
         dump_dir = Path(settings.dump_dir)
         dump_dir.mkdir(parents=True, exist_ok=True)
-    serving = Serving(tokenization or Tokenization(settings.model_path), settings.served_model_name, dump_dir=dump_dir)
+    budget = TemplateBudget.from_env(os.environ)
+    tokenization = tokenization or Tokenization(settings.model_path, budget)
+    tokenization.template.budget = budget
+    serving = Serving(tokenization, settings.served_model_name, dump_dir=dump_dir)
     serving.metrics.engine_url = settings.triton_metrics_url
     serving.keepalive_s = float(os.environ.get("SSE_KEEPALIVE_S", serving.keepalive_s))
     serving.media = MediaSettings.from_env(os.environ)
@@ -107,7 +111,8 @@ def create_app(settings: Settings, tokenization: Tokenization | None = None) -> 
     app.include_router(tokenize.router)  # vLLM's /tokenize and /detokenize
     app.include_router(lora.router)
     app.include_router(responses_router)
-    app.add_middleware(Gate, keys=keys, limits=limits, on_error=count_error)
+    metrics_public = os.environ.get("METRICS_PUBLIC", "0").strip().lower() in ("1", "true", "yes")
+    app.add_middleware(Gate, keys=keys, limits=limits, on_error=count_error, metrics_public=metrics_public)
     app.include_router(anthropic_router)  # Anthropic's /v1/messages (anthropic/routes.py)
     app.add_middleware(AnthropicErrors)  # outside the gate: its refusals in Anthropic's shape there too
     if ui_enabled(os.environ):

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from backend.contract.errors import ContractError
+from backend.contract.tensors import REQUEST_INPUTS, TensorSpec
 from backend.contract.vision import VisionItem, vision_checks
 
 # llama.cpp's default DRY sequence breakers
@@ -195,6 +196,7 @@ class GenerationRequest:
         (prompt and logit bias) are checked against the vocabulary; with `max_model_len`,
         the prompt against the context, which must also hold one generated token."""
         checks = (
+            *self._storage_checks(),
             *self._checks(vocab_size, max_model_len),
             *self.sampling.checks(vocab_size),
             *self.guards.checks(),
@@ -204,6 +206,16 @@ class GenerationRequest:
         for name, ok, why in checks:
             if not ok:
                 raise ContractError(name, why)
+
+    def _storage_checks(self) -> Iterator[Check]:
+        """Every number within the type its tensor stores it in: no wrap-around on the wire
+        (priority 2**32 must not arrive as 0) and no overflow to infinity."""
+        for spec in _NUMBER_INPUTS:
+            value = getattr(getattr(self, spec.part) if spec.part else self, spec.name)
+            values = value if spec.is_list else (value,)
+            low, high = _STORED_RANGES[spec.dtype]
+            bad = next((v for v in values if v is not None and not low <= v <= high), None)
+            yield (spec.name, bad is None, f"{bad} is outside the range {spec.dtype} holds, [{low}, {high}]")
 
     def _checks(self, vocab_size: int | None, max_model_len: int | None) -> Iterator[Check]:
         prompt = self.prompt_tokens
@@ -269,3 +281,13 @@ _SAMPLER_FIELDS = (
     "top_k", "top_p", "min_p", "top_n_sigma", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "dry_multiplier", "lz_penalty",
 )  # fmt: skip
+
+
+_STORED_RANGES = {
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "float32": (-3.4028234663852886e38, 3.4028234663852886e38),  # finite values only: NaN fails too
+}
+_NUMBER_INPUTS: tuple[TensorSpec, ...] = tuple(
+    spec for spec in REQUEST_INPUTS if spec.dtype in _STORED_RANGES and spec.part in ("", "sampling", "guards")
+)

@@ -25,7 +25,7 @@ from openai_frontend.generation.choices import collect_all
 from openai_frontend.generation.deltas import Delta
 from openai_frontend.media.parts import expand_placeholders
 from openai_frontend.operations.dump import RequestDump
-from openai_frontend.operations.limits import LimitSettings, ticket_of
+from openai_frontend.operations.limits import ticket_of
 from openai_frontend.parsing.chat_reasoning import ChatReasoning
 from openai_frontend.parsing.chat_tools import ChatTools
 
@@ -51,7 +51,7 @@ async def count_tokens(request: Request) -> Response:
     info = serving.info
     messages = [m.template_dict() for m in chat.messages]
     tools = ChatTools.of(serving.tool_parser, chat)
-    prompt = chat_handler.chat_prompt(serving.tokenization, chat, messages, tools, info)
+    prompt = await chat_handler.chat_prompt(serving.tokenization, chat, messages, tools, info)
     if info.vision is not None:
         prompt = expand_placeholders(prompt, await chat_handler.chat_vision(serving, chat, info), info.vision)
     return JSONResponse({"input_tokens": len(prompt)})
@@ -79,8 +79,6 @@ async def _chat(serving: Serving, body: CountTokensRequest, request: Request) ->
     except ValidationError as exc:
         raise from_validation(exc) from None
     chat.check_fields()
-    settings: LimitSettings = request.app.state.limits.settings
-    chat.check_sizes(settings.max_messages, settings.max_string_chars)
     return chat
 
 
@@ -91,7 +89,7 @@ async def _generate(serving: Serving, body: MessagesRequest, chat: ChatCompletio
     messages = [m.template_dict() for m in chat.messages]
     tools = ChatTools.of(serving.tool_parser, chat)
     ticket = ticket_of(request)
-    generation = chat_handler.chat_request(serving, chat, messages, tools, reply, ticket.tenant, vision)
+    generation = await chat_handler.chat_request(serving, chat, messages, tools, reply, ticket.tenant, vision)
     (stream,) = serving.generate(chat, [generation], "messages", ticket, reply.dump)
     reasoning = ChatReasoning.of(reply.info)
     if body.stream:

@@ -39,7 +39,7 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
     messages = [m.template_dict() for m in body.messages]
     tools = ChatTools.of(serving.tool_parser, body)
     ticket = ticket_of(request)
-    generation = chat_request(serving, body, messages, tools, reply, ticket.tenant, vision)
+    generation = await chat_request(serving, body, messages, tools, reply, ticket.tenant, vision)
     streams = serving.generate(body, [generation], "chat", ticket, dump)
     reasoning = ChatReasoning.of(info)
     token_text = serving.tokenization.token_text
@@ -66,7 +66,7 @@ async def chat(serving: Serving, body: ChatCompletionRequest, request: Request) 
     return json_response(response, finals, dump)
 
 
-def chat_request(
+async def chat_request(
     serving: Serving,
     body: ChatCompletionRequest,
     messages: list[dict[str, Any]],
@@ -77,12 +77,12 @@ def chat_request(
 ) -> GenerationRequest:
     """The conversation's prompt (each image's and video's placeholder expanded), and the request for it."""
     tokenization, info = serving.tokenization, reply.info
-    prompt = chat_prompt(tokenization, body, messages, tools, info)
+    prompt = await chat_prompt(tokenization, body, messages, tools, info)
     if info.vision is not None:
         prompt = expand_placeholders(prompt, vision, info.vision)
     # Stop strings are matched here, so the model streams to let us cancel it early.
     stream = body.stream or bool(body.stop_strings())
-    prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
+    prediction = await tokenization.encode_text(body.prediction.text()) if body.prediction else []
     generation = build_request(
         body, prompt, info, tenant=tenant, stream=stream, presets=info.sampling_defaults, prediction=prediction,
         adapter_slot=reply.adapter_slot,
@@ -104,7 +104,7 @@ async def chat_vision(serving: Serving, body: ChatCompletionRequest, info: Model
     return await prepare_items(parts, processor, serving.media, info.max_model_len)
 
 
-def chat_prompt(
+async def chat_prompt(
     tokenization: Tokenization,
     body: ChatCompletionRequest,
     messages: list[dict[str, Any]],
@@ -117,12 +117,13 @@ def chat_prompt(
         if tools is not None:
             param = "functions" if body.legacy_functions else "tools"
             raise bad_request(param, f"{param}: a translation model does not call tools")
-        return tokenization.encode_text(source_text(body.messages))
+        return await tokenization.encode_text(source_text(body.messages))
     if tools is None:
-        return tokenization.encode_chat(messages, None, body.template_kwargs())
+        return await tokenization.encode_chat(messages, None, body.template_kwargs())
     in_template = tokenization.template_has_tools
     template_messages = tools.template_messages(messages, in_template)
-    return tokenization.encode_chat(template_messages, body.tools if in_template else None, body.template_kwargs())
+    template_tools = body.tools if in_template else None
+    return await tokenization.encode_chat(template_messages, template_tools, body.template_kwargs())
 
 
 def parsed_stream(

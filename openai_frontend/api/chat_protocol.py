@@ -8,9 +8,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from openai_frontend.api.errors import bad_request
 from openai_frontend.api.fields import CHAT, CHAT_EXTENSIONS, FieldRule
 from openai_frontend.api.protocol import GenerationBody
+from openai_frontend.generation.chat_template import template_variables
 
 
 class JsonSchemaFormat(BaseModel):
@@ -172,22 +172,6 @@ class ChatCompletionRequest(GenerationBody):
     mm_processor_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # the same as chat_template_kwargs.enable_thinking
 
-    def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
-        if max_messages and len(self.messages) > max_messages:
-            message = f"messages: at most {max_messages} messages per request, got {len(self.messages)}"
-            raise bad_request("messages", message)
-        super().check_sizes(max_messages, max_string_chars)
-
-    def sized_dump(self) -> dict[str, Any]:
-        """The body without its media URLs: a data URL is bounded by MAX_MEDIA_BYTES, not
-        by the strings' bound (media/settings.py)."""
-        dump = super().sized_dump()
-        for message in dump.get("messages", []):
-            for part in message.get("content") if isinstance(message.get("content"), list) else []:
-                if part.get("type") in MEDIA_PART_TYPES:
-                    part.pop(part["type"], None)
-        return dump
-
     @field_validator("mm_processor_kwargs")
     @classmethod
     def _pixel_bounds(cls, kwargs):
@@ -204,10 +188,15 @@ class ChatCompletionRequest(GenerationBody):
             raise ValueError("min_pixels must not exceed max_pixels")
         return kwargs
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        template_variables(self.chat_template_kwargs)
+
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template receives besides the messages (and tools); reasoning_effort
-        turns thinking on (any effort but none) or off, unless enable_thinking says."""
-        kwargs = dict(self.chat_template_kwargs or {})
+        """What the chat template receives besides the messages (and tools): variables only
+        (generation/chat_template.py); reasoning_effort turns thinking on (any effort but
+        none) or off, unless enable_thinking says."""
+        kwargs = template_variables(self.chat_template_kwargs)
         if self.enable_thinking is not None:
             kwargs.setdefault("enable_thinking", self.enable_thinking)
         if self.reasoning_effort is not None:

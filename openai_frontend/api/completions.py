@@ -26,17 +26,17 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     reply = await serving.start(body, "completions", "cmpl")
     info, dump = reply.info, reply.dump
     tokenization = serving.tokenization
-    prompts = [_encoded(tokenization, prompt, info) for prompt in body.prompts()]
+    prompts = [await _encoded(tokenization, prompt, info) for prompt in body.prompts()]
     ticket = ticket_of(request)
     stream = body.stream or bool(body.stop_strings())  # stop strings: the model streams, we cancel it early
-    prediction = tokenization.encode_text(body.prediction.text()) if body.prediction else []
+    prediction = await tokenization.encode_text(body.prediction.text()) if body.prediction else []
     presets = info.sampling_defaults if info.languages else None  # a translation takes the model's presets
     options = dict(tenant=ticket.tenant, stream=stream, prediction=prediction, adapter_slot=reply.adapter_slot)
     built = [build_request(body, p, info, presets=presets, **options) for p in prompts]
     requests = [validated(body, generation, info) for generation in built]
     streams = serving.generate(body, requests, "completions", ticket, dump)
     if body.echo:
-        streams = _echoed(streams, body, tokenization, prompts)
+        streams = await _echoed(streams, body, tokenization, prompts)
     # one per choice: text offsets run on within a choice
     formatters = [CompletionLogprobs(tokenization.token_text) for _ in streams]
 
@@ -61,20 +61,20 @@ async def complete(serving: Serving, body: CompletionRequest, request: Request) 
     return json_response(response, finals, dump)
 
 
-def _encoded(tokenization: Tokenization, prompt: str | list[int], info: ModelInfo) -> list[int]:
+async def _encoded(tokenization: Tokenization, prompt: str | list[int], info: ModelInfo) -> list[int]:
     """A prompt's tokens; a translation model's source text has no special tokens (the
     engine adds its language code and </s>)."""
     if translates(info) and isinstance(prompt, str):
-        return tokenization.encode_text(prompt)
-    return tokenization.encode_prompt(prompt)
+        return await tokenization.encode_text(prompt)
+    return await tokenization.encode_prompt(prompt)
 
 
-def _echoed(
-    streams: list[AsyncIterator[Delta]], body: CompletionRequest, tokenization, prompts: list[list[int]]
+async def _echoed(
+    streams: list[AsyncIterator[Delta]], body: CompletionRequest, tokenization: Tokenization, prompts: list[list[int]]
 ) -> list[AsyncIterator[Delta]]:
     """Each choice's stream behind its own prompt's text (choices are prompt-major)."""
-    texts = [tokenization.prompt_text(prompt) for prompt in body.prompts()]
-    offsets = [tokenization.text_offsets(prompt) for prompt in prompts]
+    texts = [await tokenization.off_loop(tokenization.prompt_text, prompt) for prompt in body.prompts()]
+    offsets = [await tokenization.off_loop(tokenization.text_offsets, prompt) for prompt in prompts]
     return [_echo(stream, texts[i // body.n], offsets[i // body.n]) for i, stream in enumerate(streams)]
 
 

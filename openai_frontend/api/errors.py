@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,8 +57,13 @@ def permission_denied(message: str) -> OpenAIError:
     return OpenAIError(403, message, None, PERMISSION_DENIED, "insufficient_permissions")
 
 
-def server_error(message: str) -> OpenAIError:
-    return OpenAIError(500, message, None, SERVER_ERROR)
+def internal_error(exc: BaseException | None, what: str) -> OpenAIError:
+    """A 500 that tells the client an error id and nothing of the failure itself: the
+    detail (the exception, its traceback) goes to the log under that id."""
+    error_id = f"err_{secrets.token_hex(8)}"
+    log.error("%s [%s]", what, error_id, exc_info=exc)
+    message = f"The server had an error while processing your request (error id {error_id}; the server's log has it)."
+    return OpenAIError(500, message, None, SERVER_ERROR, "internal_error")
 
 
 def service_unavailable(message: str, retry_after_s: int = RETRY_AFTER_S) -> OpenAIError:
@@ -114,6 +120,5 @@ def install_handlers(app: FastAPI, on_error=None) -> None:
         return respond(OpenAIError(exc.status_code, str(exc.detail), None, kind))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        log.exception("unhandled error")
-        return respond(server_error(f"{type(exc).__name__}: {exc}"))
+    async def _unexpected(request: Request, exc: Exception):
+        return respond(internal_error(exc, f"unhandled error in {request.method} {request.url.path}"))

@@ -21,7 +21,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from backend.contract import AdapterCommand, AdapterTable, ContractError
-from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, permission_denied, server_error
+from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, internal_error, permission_denied
 from openai_frontend.api.serving import Serving
 from openai_frontend.generation.engine_client import EngineError, ModelUnavailable
 from openai_frontend.operations.auth import KeyRing, tenant_of
@@ -122,4 +122,4 @@ def _refusal(exc: EngineError) -> OpenAIError:
         return OpenAIError(404, exc.message, exc.field, NOT_FOUND, "model_not_found")
     if exc.field is not None:
         return bad_request(exc.field, exc.message)
-    return server_error(exc.message)
+    return internal_error(exc, "an adapter command failed")

@@ -205,17 +205,6 @@ class GenerationBody(BaseModel):
             name, why = refused
             raise bad_request(name, f"{name}: {why}")
 
-    def check_sizes(self, max_messages: int, max_string_chars: int) -> None:
-        """A 400 naming the first string over `max_string_chars` characters (0: no bound),
-        so no tokenizer or template ever runs on one."""
-        path = _long_string(self.sized_dump(), max_string_chars)
-        if path is not None:
-            raise bad_request(path, f"{path}: longer than {max_string_chars} characters")
-
-    def sized_dump(self) -> dict[str, Any]:
-        """The strings `check_sizes` bounds: the body's, as sent."""
-        return self.model_dump(exclude_unset=True, by_alias=True)
-
     def check_context(self, prompt_len: int, max_model_len: int) -> int:
         """The most new tokens a choice may ask for: max_tokens, else what the context
         leaves. A 400 with the numbers when the prompt, or the prompt and max_tokens, do
@@ -267,20 +256,6 @@ _PARAM_OF_FIELD = {
     "src_lang_id": "src_lang",
     "tgt_lang_id": "tgt_lang",
 }
-
-
-def _long_string(value: Any, limit: int, path: str = "") -> str | None:
-    """The dotted path (`messages.3.content`) of the first string longer than `limit`."""
-    if not limit:
-        return None
-    if isinstance(value, str):
-        return path if len(value) > limit else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _long_string(item, limit, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
 
 
 # ---------------------------------------------------------------------------

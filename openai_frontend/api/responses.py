@@ -91,7 +91,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llm-serving"
-    root: str | None = None  # vLLM's: the base model's folder, or an adapter's
+    root: str | None = None  # vLLM's: the base model's, or the adapter's (a name here: never a folder)
     parent: str | None = None  # vLLM's: a LoRA adapter's base model; null for the base model
     max_model_len: int | None = None
 

@@ -13,7 +13,6 @@ from openai_frontend.api.errors import error_response, service_unavailable
 from openai_frontend.api.protocol import CompletionRequest, GenerationBody
 from openai_frontend.api.responses import ModelCard, ModelList
 from openai_frontend.api.serving import Serving
-from openai_frontend.operations.limits import LimitSettings
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -35,22 +34,21 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     return await _serving(request).model_card(model_id)
 
 
-def _check(body: GenerationBody, request: Request) -> None:
-    """Before any work: every field honoured or refused (api/fields.py), and the sizes."""
+def _check(body: GenerationBody) -> None:
+    """Before any work: every field honoured or refused (api/fields.py); the sizes are the
+    gate's (operations/bounds.py)."""
     body.check_fields()
-    settings: LimitSettings = request.app.state.limits.settings
-    body.check_sizes(settings.max_messages, settings.max_string_chars)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _check(body, request)
+    _check(body)
     return await chat(_serving(request), body, request)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _check(body, request)
+    _check(body)
     return await complete(_serving(request), body, request)
 
 

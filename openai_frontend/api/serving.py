@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from backend.contract import AdapterInfo, FinalEvent, GenerationRequest, ModelInfo
-from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, model_not_found, server_error
+from openai_frontend.api.errors import NOT_FOUND, OpenAIError, bad_request, internal_error, model_not_found
 from openai_frontend.api.protocol import GenerationBody
 from openai_frontend.api.request_builder import for_choice
 from openai_frontend.api.responses import ModelCard, ModelList
@@ -99,8 +99,7 @@ class Serving:
         return self.info
 
     async def models(self) -> ModelList:
-        """The base model's card, then one per adapter (vLLM's: `parent` the base model,
-        `root` the adapter's folder)."""
+        """The base model's card, then one per adapter (vLLM's: `parent` the base model)."""
         adapters = await self.adapters.listed(self.engine)
         return ModelList(data=[self._card(), *(self._card(a) for a in adapters)])
 
@@ -114,13 +113,13 @@ class Serving:
         return self._card(adapter)
 
     def _card(self, adapter: AdapterInfo | None = None) -> ModelCard:
-        """The base model's card (its root: the model's folder), or an adapter's."""
+        """The base model's card, or an adapter's. `root` is a name, never a folder: every
+        tenant reads this list, and the server's filesystem is not theirs to see."""
         max_model_len = self.info.max_model_len if self.info is not None else None
-        root = str(self.tokenization.model_path)
-        card = ModelCard(id=self.model_name, created=self.created, root=root, max_model_len=max_model_len)
+        card = ModelCard(id=self.model_name, created=self.created, root=self.model_name, max_model_len=max_model_len)
         if adapter is None:
             return card
-        return card.model_copy(update={"id": adapter.name, "root": adapter.path, "parent": self.model_name})
+        return card.model_copy(update={"id": adapter.name, "root": adapter.name, "parent": self.model_name})
 
     async def start(self, body: GenerationBody, endpoint: str, id_prefix: str) -> Reply:
         """A request's response begins: its model (or adapter) chosen, the model's facts at hand."""
@@ -249,9 +248,7 @@ class Serving:
         if isinstance(exc, EngineError) and exc.field is not None:
             param = body.param_of(exc.field)
             return bad_request(param, exc.message)
-        if not isinstance(exc, EngineError):
-            log.error("generation failed", exc_info=exc)
-        return server_error(str(exc) or type(exc).__name__)
+        return internal_error(exc, "generation failed")
 
     def _adapter_gone(self, body: GenerationBody, exc: EngineError) -> OpenAIError:
         """The engine has no adapter in the request's slot (unloaded since it was chosen):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from openai_frontend.api.chat_protocol import ChatMessage
 from openai_frontend.api.errors import bad_request
 from openai_frontend.api.serving import Serving
+from openai_frontend.generation.chat_template import template_variables
 
 router = APIRouter()
 
@@ -82,30 +83,25 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     tokenizer = serving.tokenization.tokenizer
     if body.messages is None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = list(tokenizer.encode(body.prompt, add_special_tokens=special))
+        tokens = await serving.tokenization.encode_text(body.prompt, add_special_tokens=special)
     else:
-        tokens = _chat_tokens(serving, body)
+        tokens = await _chat_tokens(serving, body)
     strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=info.max_model_len, tokens=tokens, token_strs=strs)
 
 
-def _chat_tokens(serving: Serving, body: TokenizeRequest) -> list[int]:
+async def _chat_tokens(serving: Serving, body: TokenizeRequest) -> list[int]:
     """The messages as /v1/chat/completions renders them (tools only where the template takes them)."""
     tokenization = serving.tokenization
     messages = [message.template_dict() for message in body.messages]
     tools = body.tools if body.tools and tokenization.template_has_tools else None
-    try:
-        text = tokenization.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # jinja raises for conversations it refuses
-        raise bad_request("messages", f"messages: the chat template failed: {exc}") from exc
-    return list(tokenization.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    variables = template_variables(body.chat_template_kwargs)
+    tokens = await tokenization.encode_chat(
+        messages, tools, variables, body.add_generation_prompt, body.continue_final_message
+    )
+    if body.add_special_tokens:  # the template writes its own; vLLM adds the tokenizer's on request
+        tokens = tokenization.tokenizer.build_inputs_with_special_tokens(tokens)
+    return list(tokens)
 
 
 @router.post("/detokenize")

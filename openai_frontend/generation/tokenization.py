@@ -1,50 +1,65 @@
 """The tokenizer and chat template of the served model folder.
 
 Only what text needs: the model's facts (its context length, its vocabulary's size)
-come from the running engine (ModelInfo), not from this folder's files.
+come from the running engine (ModelInfo), not from this folder's files. Templates and
+the tokenizer's encodes of request text run on a small pool of text threads
+(`TEXT_THREADS`), never on the event loop: a long prompt or a slow render delays only
+its own request, never /health or another request's stream.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from openai_frontend.api.errors import bad_request
+from openai_frontend.generation.chat_template import ChatTemplate, TemplateBudget, template_failure
 from openai_frontend.generation.detokenizer import IncrementalDetokenizer, make_decode
+
+TEXT_THREADS = 2  # renders are pure Python (the GIL): more threads would not render faster
+T = TypeVar("T")
 
 
 class Tokenization:
     """Text -> prompt tokens (chat template or plain prompt), tokens -> text."""
 
-    def __init__(self, model_path: str | Path):
+    def __init__(self, model_path: str | Path, budget: TemplateBudget | None = None):
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.template = ChatTemplate(self.tokenizer, budget or TemplateBudget())
         self._decode = make_decode(self.tokenizer)
         self._token_texts: dict[int, str] = {}
         self.document_start_id = _document_start(self.tokenizer)
+        self._threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")
 
-    def encode_chat(
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on a text thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, work, *args)
+
+    async def encode_chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
+        variables: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """The conversation through the model's chat template, ready for the reply."""
+        """The conversation through the model's chat template (ready for the reply, unless
+        it continues the final message), tokenized as the template wrote it."""
+        render = (messages, tools, variables or {}, add_generation_prompt, continue_final_message)
+        return await self.off_loop(self._encode_chat, *render)
+
+    def _encode_chat(self, messages, tools, variables, add_generation_prompt, continue_final_message) -> list[int]:
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=True,
-                tokenize=True,
-                **(template_kwargs or {}),
-            )
-        except Exception as exc:  # jinja raises for conversations it refuses
-            raise bad_request("messages", f"the chat template failed: {exc}") from exc
-        # transformers 5 returns a BatchEncoding; older versions a plain list
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return list(ids)
+            text = self.template.render(messages, tools, variables, add_generation_prompt, continue_final_message)
+        except Exception as exc:  # jinja's refusals, the budget's, or a template's own bug
+            raise bad_request("messages", f"messages: {template_failure(exc)}") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @property
     def template_has_tools(self) -> bool:
@@ -53,17 +68,23 @@ class Tokenization:
         texts = template.values() if isinstance(template, dict) else [template or ""]
         return any("tools" in text for text in texts)
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt: token ids as given (the request's validation checks them
         against the model's vocabulary), text with the tokenizer's BOS policy; an empty
         text is the start of a document (OpenAI's "<|endoftext|>", else the BOS or EOS token)."""
         if not isinstance(prompt, str):
             return list(prompt)
-        return self.tokenizer(prompt)["input_ids"] or [self.document_start_id]
+        return await self.off_loop(self._encode_document, prompt)
 
-    def encode_text(self, text: str) -> list[int]:
-        """A text as the model would write it: no BOS or other special tokens added."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _encode_document(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"] or [self.document_start_id]
+
+    async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A text as the model would write it: no BOS or other special tokens added (unless asked)."""
+        return await self.off_loop(self._encode_plain, text, add_special_tokens)
+
+    def _encode_plain(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs (the decode of its id alone, special tokens kept)."""

@@ -1,7 +1,9 @@
-"""The gate in front of /v1/: API keys, body size, admission and the tenants' slots, as ASGI middleware."""
+"""The gate in front of /v1/ (and /tokenize, /detokenize, /metrics): API keys, the body's size
+and content bounds, admission and the tenants' slots, as ASGI middleware."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Callable
 
@@ -9,11 +11,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_frontend.api.errors import INVALID_REQUEST, OpenAIError, error_response
 from openai_frontend.operations.auth import KeyRing
-from openai_frontend.operations.limits import Limits, Ticket
+from openai_frontend.operations.bounds import checked_body
+from openai_frontend.operations.limits import Limits, LimitSettings, Ticket
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
 # outside /v1/ yet behind the same keys and body bound: vLLM's tokenizer routes (api/tokenize.py)
 GATED_PATHS = frozenset({"/tokenize", "/detokenize"})
+_LARGE_BODY_BYTES = 64 * 1024  # a body this large is checked off the event loop
 
 
 class Gate:
@@ -29,14 +33,18 @@ class Gate:
     admitted generation carries the tenant's x-ratelimit-* headers.
     """
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, limits: Limits, on_error: Callable[[int], None]):
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing, limits: Limits, on_error: Callable[[int], None], metrics_public: bool = False
+    ):
         self.app = app
         self.keys = keys
         self.limits = limits
         self.on_error = on_error
+        # /metrics names the tenants and their usage: behind a key unless the operator says
+        self.gated_paths = GATED_PATHS if metrics_public else GATED_PATHS | {"/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gated = scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in GATED_PATHS)
+        gated = scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in self.gated_paths)
         if not gated:
             await self.app(scope, receive, send)
             return
@@ -76,10 +84,14 @@ class Gate:
             self.limits.release(ticket, status)
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send, app_send: Send) -> None:
-        """The app on the body read within its bound (a 413 past it, sent on `send`);
-        the app's messages go to `app_send`."""
+        """The app on the body read within its bound (a 413 past it, sent on `send`) and
+        within every bound on its content (operations/bounds.py, a 400); the app's
+        messages go to `app_send`."""
+        settings = self.limits.settings
         try:
-            replay = await _bounded_body(receive, self.limits.settings.max_request_bytes)
+            raw, replay = await _bounded_body(receive, settings.max_request_bytes)
+            if raw:
+                await _off_loop_if_large(checked_body, raw, settings)
         except OpenAIError as error:
             await self._refuse(error, scope, receive, send)
             return
@@ -108,7 +120,7 @@ def _check_content_length(scope: Scope, limit: int) -> None:
         raise _too_large(limit)
 
 
-async def _bounded_body(receive: Receive, limit: int) -> Receive:
+async def _bounded_body(receive: Receive, limit: int) -> tuple[bytes, Receive]:
     """The body read in full, up to `limit` bytes (a 413 past it, whatever Content-Length
     said), and a receive that replays it; later messages (a disconnect) come through."""
     buffered: deque[Message] = deque()
@@ -124,10 +136,19 @@ async def _bounded_body(receive: Receive, limit: int) -> Receive:
         if not message.get("more_body", False):
             break
 
+    raw = b"".join(m.get("body", b"") for m in buffered if m["type"] == "http.request")
+
     async def replay() -> Message:
         return buffered.popleft() if buffered else await receive()
 
-    return replay
+    return raw, replay
+
+
+async def _off_loop_if_large(check: Callable[[bytes, LimitSettings], object], raw: bytes, settings: LimitSettings):
+    """A large body is parsed and walked on a thread: the event loop keeps serving meanwhile."""
+    if len(raw) < _LARGE_BODY_BYTES:
+        return check(raw, settings)
+    return await asyncio.to_thread(check, raw, settings)
 
 
 def _with_headers(message: Message, headers: dict[str, str]) -> Message:

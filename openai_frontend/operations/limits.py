@@ -42,8 +42,10 @@ class LimitSettings:
     max_inflight_requests: int = 256
     max_queued_requests: int = 512
     max_request_bytes: int = 32 * 2**20  # images ride in the body as base64 data URLs
-    max_messages: int = 1024
+    max_messages: int = 1024  # a conversation's messages (chat, Anthropic) or items (Responses)
     max_string_chars: int = 200_000
+    max_json_items: int = 262_144  # any other array or object of a body: token ids, logit bias, tools ...
+    max_json_nesting: int = 128
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> LimitSettings:
@@ -53,7 +55,7 @@ class LimitSettings:
             if raw:
                 values[f.name] = _non_negative_int(f.name.upper(), raw)
         settings = cls(**values)
-        for name in ("max_inflight_requests", "max_request_bytes"):
+        for name in ("max_inflight_requests", "max_request_bytes", "max_json_items", "max_json_nesting"):
             if getattr(settings, name) < 1:
                 raise ValueError(f"{name.upper()} must be at least 1")
         return settings

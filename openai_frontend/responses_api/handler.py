@@ -77,7 +77,7 @@ async def _create(
     reply = await serving.start(chat, "responses", "resp")
     reply.id = "resp_" + reply.id.removeprefix("resp-")
     ticket = ticket_of(request)
-    generation = chat_api.chat_request(serving, chat, ready.messages, ready.tools, reply, ticket.tenant)
+    generation = await chat_api.chat_request(serving, chat, ready.messages, ready.tools, reply, ticket.tenant)
     streams = serving.generate(chat, [generation], "responses", ticket, reply.dump)
     reasoning = ChatReasoning.of(reply.info)
     started = output.head(body, reply.id, reply.created, reply.model)
@@ -125,7 +125,7 @@ async def input_tokens(
     try:
         info = await serving.model_info()
         ready = prepare(serving, store, body, tenant_of(request))
-        prompt = chat_api.chat_prompt(serving.tokenization, ready.chat, ready.messages, ready.tools, info)
+        prompt = await chat_api.chat_prompt(serving.tokenization, ready.chat, ready.messages, ready.tools, info)
     except OpenAIError as error:
         raise renamed(error) from None
     return {"object": "response.input_tokens", "input_tokens": len(prompt)}

@@ -11,7 +11,8 @@ from openai_frontend.media.settings import ENV_NAMES as MEDIA_ENV
 from openai_frontend.operations.limits import LimitSettings
 
 # what the app reads from the environment: cleared before each app is made
-APP_ENV = ["API_KEYS", "API_KEYS_FILE", "ALLOW_RUNTIME_LORA", "ADMIN_TENANTS", "SSE_KEEPALIVE_S", "UI",
+APP_ENV = ["API_KEYS", "API_KEYS_FILE", "ALLOW_RUNTIME_LORA", "ADMIN_TENANTS", "SSE_KEEPALIVE_S", "UI", "METRICS_PUBLIC",
+           "CHAT_TEMPLATE_TIMEOUT_S", "CHAT_TEMPLATE_MAX_CHARS",
            *(f.upper() for f in LimitSettings.__dataclass_fields__), *MEDIA_ENV]  # fmt: skip
 
 

@@ -27,7 +27,7 @@ TEXTS = ["Paris is the capital of France.", "Paris is a city in France.", "Paris
 
 
 def _ids(tokenization, text: str) -> list[int]:
-    return tokenization.encode_text(text)
+    return asyncio.run(tokenization.encode_text(text))
 
 
 def _engine(tokenization, texts=TEXTS, reasons=(STOP, STOP, LENGTH), **kwargs) -> BeamEngine:

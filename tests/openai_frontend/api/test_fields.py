@@ -208,7 +208,7 @@ def test_a_prediction_as_text_parts_is_their_text_tokenized(app, tokenization, p
     base = {"messages": USER} if "chat" in path else {"prompt": "x"}
     response, engine = _post(app, path, {**base, "prediction": {"type": "content", "content": parts}})
     assert response.status_code == 200, response.text
-    want = tokenization.encode_text("def area(r):\n    return 3.14 * r * r\n")
+    want = tokenization.tokenizer.encode("def area(r):\n    return 3.14 * r * r\n", add_special_tokens=False)
     assert list(engine.requests[0].prediction_tokens) == want
 
 

@@ -155,10 +155,15 @@ def test_a_body_that_is_not_a_json_object_is_400_saying_so(app, content, content
     assert response.status_code == 400 and error["param"] is None and says in error["message"], error
 
 
-def test_engine_failure_is_500(app):
+def test_engine_failure_is_500_with_an_error_id_and_no_internals(app, caplog):
     engine = FakeEngine([], error=EngineError("Triton request failed: connection refused"))
     response = asyncio.run(_post(app, engine, "/v1/completions", {"prompt": "hi"}))
-    assert response.status_code == 500 and "connection refused" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 500 and error["code"] == "internal_error"
+    assert "connection refused" not in error["message"] and "Triton" not in error["message"]
+    error_id = error["message"].split("error id ")[1].split(";")[0]
+    logged = [r for r in caplog.records if error_id in r.getMessage()]  # the detail is in the log, under the id
+    assert logged and "connection refused" in str(logged[0].exc_info[1])
 
 
 def test_models_and_metrics(app, tokenization):

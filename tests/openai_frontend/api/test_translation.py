@@ -56,7 +56,9 @@ def test_a_chat_translates_its_last_user_message_without_the_template(make_app, 
         {"role": "user", "content": [{"type": "text", "text": "The house"}, {"type": "text", "text": "is big."}]},
     ]
     assert _post(make_app(engine), CHAT, {"messages": messages}).status_code == 200
-    assert engine.requests[0].prompt_tokens == tokenization.encode_text("The house\nis big.")
+    assert engine.requests[0].prompt_tokens == tokenization.tokenizer.encode(
+        "The house\nis big.", add_special_tokens=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,7 @@ def test_a_model_that_does_not_translate_refuses_the_languages(make_app, param):
 
 def test_the_deployments_beam_defaults_make_a_translation_a_search(make_app, tokenization):
     info = replace(TRANSLATION, beam_defaults={"num_beams": 4, "early_stopping": "true"})
-    engine = BeamEngine([(tokenization.encode_text("La maison."), STOP)], info=info)
+    engine = BeamEngine([(tokenization.tokenizer.encode("La maison.", add_special_tokens=False), STOP)], info=info)
     response = _post(make_app(engine), COMPLETIONS, {"prompt": SOURCE, "tgt_lang": "deu_Latn"})
     assert response.status_code == 200, response.text
     (request,) = engine.requests

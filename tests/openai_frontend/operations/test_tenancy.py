@@ -108,17 +108,19 @@ def test_v1_without_a_valid_key_is_401(make_app, engine, authorization):
     assert engine.requests == []
 
 
-def test_health_and_metrics_stay_open(make_app, engine):
-    app = make_app(engine, API_KEYS=KEYS)
-
-    async def run():
+def test_health_stays_open_and_metrics_take_a_key_unless_public(make_app, engine):
+    async def run(app, headers):
         async with _client(app) as client:
             await client.get("/v1/models")
-            return await client.get("/health"), await client.get("/metrics")
+            return await client.get("/health"), await client.get("/metrics", headers=headers)
 
-    health, metrics = asyncio.run(run())
+    health, metrics = asyncio.run(run(make_app(engine, API_KEYS=KEYS), ALICE))
     assert health.status_code == 200 and metrics.status_code == 200
     assert 'status="401"} 1' in metrics.text  # the refusal was counted
+    _, keyless = asyncio.run(run(make_app(engine, API_KEYS=KEYS), {}))
+    assert _assert_error(keyless, 401)["code"] == "invalid_api_key"  # tenant names and usage are not public
+    _, public = asyncio.run(run(make_app(engine, API_KEYS=KEYS, METRICS_PUBLIC=1), {}))
+    assert public.status_code == 200 and "llm_frontend_requests_total" in public.text
 
 
 def test_the_tenant_of_the_key_reaches_the_model_and_no_field_overrides_it(make_app, engine):
