@@ -28,6 +28,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    max_lora_file_bytes: int | None = None  # an adapter's weights file; None: what rank max_lora_rank needs
     lora_modules: str = ""
     active_lora: str = ""
     max_beams: int = 8  # num_beams a request may ask for
@@ -66,6 +67,7 @@ class EngineConfig:
             ("MAX_LORAS", "max_loras"),
             ("MAX_LORA_RANK", "max_lora_rank"),
             ("MAX_CPU_LORAS", "max_cpu_loras"),
+            ("MAX_LORA_FILE_BYTES", "max_lora_file_bytes"),
             ("MAX_BEAMS", "max_beams"),
             ("ENCODER_CACHE_TOKENS", "encoder_cache_tokens"),
             ("QUANT_GROUP_SIZE", "quant_group"),
