@@ -26,6 +26,7 @@ from backend.contract.errors import ContractError
 BASE_SLOT = 0
 FOLLOW_ACTIVE = -1
 COMMANDS = ("list", "load", "unload", "activate")
+MAX_PATH_CHARS = 4096  # Linux PATH_MAX: a longer lora_path names no folder
 
 
 class AdapterNotFound(ContractError):
@@ -50,6 +51,8 @@ class AdapterCommand:
             raise ContractError("lora_name", f"is required to {self.op} an adapter")
         if self.op == "load" and not self.lora_path:
             raise ContractError("lora_path", "is required to load an adapter")
+        if len(self.lora_path) > MAX_PATH_CHARS or "\0" in self.lora_path:
+            raise ContractError("lora_path", f"must be a folder's path: at most {MAX_PATH_CHARS} characters, no NUL")
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from openai_frontend.api.errors import bad_request
+from openai_frontend.operations.bounds import checked_json_text
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -95,10 +96,7 @@ def _grammar(param: str, key: str, value: Any) -> tuple[str, str]:
         return "ebnf", choice_grammar(param, value)
     if key in ("json", "structural_tag"):
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise bad_request(param, f"{param}: not valid JSON: {exc}") from None
+            value = checked_json_text(value, param)
         if not isinstance(value, dict):
             raise bad_request(param, f"{param}: expected a JSON object (or its JSON text)")
         return _KINDS[key], json.dumps(value, ensure_ascii=False)

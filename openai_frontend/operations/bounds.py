@@ -15,13 +15,14 @@ import json
 import math
 from typing import Any
 
-from openai_frontend.api.errors import bad_request
+from openai_frontend.api.errors import OpenAIError, bad_request
 from openai_frontend.operations.limits import LimitSettings
 
 # the conversation's list at the body's top level: chat and Anthropic messages, Responses input
 CONVERSATION_KEYS = frozenset({"messages", "input"})
 MEDIA_KEYS = frozenset({"url", "image_url", "video_url", "data", "file_data"})
 _INT64 = (-(2**63), 2**63 - 1)
+_DEFAULTS = LimitSettings()
 
 
 def checked_body(raw: bytes, bounds: LimitSettings) -> Any:
@@ -29,7 +30,8 @@ def checked_body(raw: bytes, bounds: LimitSettings) -> Any:
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
-        raise bad_request(None, f"the body nests deeper than {bounds.max_json_nesting} levels") from None
+        why = f"the JSON nests deeper than {bounds.max_json_nesting} levels (the server's MAX_JSON_NESTING)"
+        raise bad_request(None, why) from None
     except ValueError as exc:
         raise bad_request(None, f"the body is not valid JSON: {exc}") from None
     place = _first_outside(body, bounds)
@@ -37,6 +39,16 @@ def checked_body(raw: bytes, bounds: LimitSettings) -> Any:
         path, why = place
         raise bad_request(path or None, f"{path}: {why}" if path else why)
     return body
+
+
+def checked_json_text(text: str, param: str, bounds: LimitSettings = _DEFAULTS) -> Any:
+    """JSON sent as text inside a body (`guided_json`, `structured_outputs.json`), parsed
+    within the same bounds as a body; a 400 naming `param`."""
+    try:
+        return checked_body(text.encode(), bounds)
+    except OpenAIError as error:
+        where = f"{param}.{error.param}" if error.param else param
+        raise bad_request(param, f"{where}: {error.message.split(': ', 1)[-1]}") from None
 
 
 def _refuse_constant(name: str) -> Any:
@@ -48,8 +60,10 @@ def _first_outside(body: Any, bounds: LimitSettings) -> tuple[str, str] | None:
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]
     while stack:
         value, path, depth = stack.pop()
-        if depth > bounds.max_json_nesting:
-            return path, f"nests deeper than {bounds.max_json_nesting} levels (the server's MAX_JSON_NESTING)"
+        if depth > bounds.max_json_nesting:  # named by its top-level field: the whole path is that deep
+            return path.split(".", 1)[
+                0
+            ], f"nests deeper than {bounds.max_json_nesting} levels (the server's MAX_JSON_NESTING)"
         why = _outside(value, path, depth, bounds)
         if why is not None:
             return path, why

@@ -44,7 +44,7 @@ def _canonical_json(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # a conversation's text, whatever it holds
             return arguments
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
