@@ -7,6 +7,14 @@ alpha come from `rank_pattern` / `alpha_pattern` when a key there matches its na
 The rank of each module is checked against its tensors and MAX_LORA_RANK, and the
 scaling folded into B here, so the forward adds x A^T B^T.
 
+Every file's size is checked before it is opened (a 1 GB file read whole had raised the
+model process's memory by ~850 MB before its refusal): the weights against
+MAX_LORA_FILE_BYTES, by default the largest file a float32 adapter of rank MAX_LORA_RANK
+on every projection of the served model needs (`largest_adapter_bytes`: a fixed bound
+would need ~3.3 GB for a rank-64 adapter of a 70B Llama, while the default model's
+largest is ~80 MB); the config against CONFIG_MAX_BYTES, since JSON parsed takes many
+times its bytes and a real config is a few KB.
+
 What changes that math or adapts something other than the decoder layers' seven
 projections is refused, with the config key that asks for it: DoRA, bias, extra
 trainable modules or tokens, embedding / lm_head targets, and the other variants.
@@ -15,8 +23,10 @@ trainable modules or tokens, embedding / lm_head targets, and the other variants
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +60,8 @@ _REFUSED = {
     "monteclora_config": "MonteCLoRA",
 }
 _UNSET = (None, False, "none", [], {}, "")
+CONFIG_MAX_BYTES = 1 << 20  # rank / alpha patterns for every module of a 70B model: ~40 KB
+TENSOR_HEADER_BYTES = 4096  # per tensor, room for a file's own entry (safetensors' JSON, torch.save's zip and pickle)
 
 
 @dataclass(slots=True)
@@ -62,30 +74,57 @@ class LoraWeights:
     digest: str  # of the folder's config and weights files: tells a changed folder
 
 
-def read_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> LoraWeights:
-    """The adapter in `path`, checked against `model`; ContractError naming lora_path."""
+def read_adapter(path: str | Path, model: ModelConfig, max_rank: int, max_file_bytes: int | None = None) -> LoraWeights:
+    """The adapter in `path`, checked against `model`; ContractError naming lora_path.
+    `max_file_bytes`: MAX_LORA_FILE_BYTES (None: `largest_adapter_bytes`)."""
     folder = Path(path)
-    config_path = folder / "adapter_config.json"
-    if not config_path.is_file():
-        raise ContractError("lora_path", f"{folder} holds no adapter_config.json (a PEFT LoRA folder)")
-    config_bytes = config_path.read_bytes()
+    config_bytes = _config_bytes(folder)
     try:
         config = json.loads(config_bytes)
     except ValueError as exc:
-        raise ContractError("lora_path", f"{config_path} is not JSON: {exc}") from None
-    _check_config(config, config_path)
-    tensors, weights_bytes = _read_tensors(folder)
+        raise ContractError("lora_path", f"{folder / 'adapter_config.json'} is not JSON: {exc}") from None
+    _check_config(config, folder / "adapter_config.json")
+    tensors, weights_bytes = _read_tensors(folder, max_file_bytes or largest_adapter_bytes(model, max_rank))
     modules = _modules(tensors, config, model, max_rank, folder)
     digest = hashlib.sha256(config_bytes + weights_bytes).hexdigest()
     return LoraWeights(modules, max(a.shape[0] for a, _ in modules.values()), digest)
 
 
-def folder_digest(path: str | Path) -> str:
+def folder_digest(path: str | Path, max_file_bytes: int) -> str:
     """The digest `read_adapter` would give the folder now (cheap: no parsing)."""
     folder = Path(path)
-    return hashlib.sha256(
-        (folder / "adapter_config.json").read_bytes() + _weights_file(folder).read_bytes()
-    ).hexdigest()
+    weights = _read_capped(_weights_file(folder), max_file_bytes, _WEIGHTS_BOUND)
+    return hashlib.sha256(_config_bytes(folder) + weights).hexdigest()
+
+
+def largest_adapter_bytes(model: ModelConfig, max_rank: int) -> int:
+    """MAX_LORA_FILE_BYTES's default: the file of an adapter of rank `max_rank` on every
+    projection of every layer of `model`, in float32, with its per-tensor headers."""
+    per_layer = sum(sum(projection_shape(proj, model)) for proj in PROJECTIONS)  # A [r, in] + B [out, r]
+    tensors = 2 * len(PROJECTIONS) * model.num_layers
+    return 4 * max_rank * per_layer * model.num_layers + TENSOR_HEADER_BYTES * tensors
+
+
+_WEIGHTS_BOUND = "MAX_LORA_FILE_BYTES allows (unset: what a float32 adapter of rank MAX_LORA_RANK needs for this model)"
+
+
+def _config_bytes(folder: Path) -> bytes:
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        raise ContractError("lora_path", f"{folder} holds no adapter_config.json (a PEFT LoRA folder)")
+    return _read_capped(config_path, CONFIG_MAX_BYTES, "a PEFT adapter_config.json may take")
+
+
+def _read_capped(file: Path, limit: int, bound: str) -> bytes:
+    """The file's bytes, its size checked before it is opened (and as it is read: it may grow)."""
+    size = os.stat(file).st_size
+    if size <= limit:
+        with open(file, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) <= limit:
+            return data
+        size = len(data)
+    raise ContractError("lora_path", f"{file} is {size:,} bytes, over the {limit:,} bytes {bound}")
 
 
 def _check_config(config: dict, where: Path) -> None:
@@ -106,15 +145,15 @@ def _weights_file(folder: Path) -> Path:
     raise ContractError("lora_path", f"{folder} holds no adapter_model.safetensors (or adapter_model.bin)")
 
 
-def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+def _read_tensors(folder: Path, max_file_bytes: int) -> tuple[dict[str, torch.Tensor], bytes]:
     file = _weights_file(folder)
-    data = file.read_bytes()
+    data = _read_capped(file, max_file_bytes, _WEIGHTS_BOUND)
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load
 
             return load(data), data
-        return torch.load(file, map_location="cpu", weights_only=True), data
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), data
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same refusal
         raise ContractError("lora_path", f"cannot read {file}: {exc}") from None
 

@@ -25,7 +25,7 @@ from backend.contract import (
     AdapterTable,
     ContractError,
 )
-from backend.lora.peft_format import LoraWeights, folder_digest, read_adapter
+from backend.lora.peft_format import LoraWeights, folder_digest, largest_adapter_bytes, read_adapter
 from backend.runner.models.llama import ModelConfig
 
 
@@ -49,6 +49,7 @@ class LoraConfig:
     max_loras: int = 4  # adapters resident for the forward at once (MAX_LORAS)
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # versions' weights kept in host memory; None: max_loras
+    max_file_bytes: int | None = None  # an adapter's weights file (MAX_LORA_FILE_BYTES); None: largest_adapter_bytes
 
 
 class AdapterRegistry:
@@ -60,9 +61,11 @@ class AdapterRegistry:
             if config.lora_modules or config.active_lora:
                 raise ValueError("LORA_MODULES / ACTIVE_LORA are set, but MAX_LORAS=0 serves no adapters")
             return None
-        lora = LoraConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        lora = LoraConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.max_lora_file_bytes)
         if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
             raise ValueError(f"MAX_CPU_LORAS={lora.max_cpu_loras} must be at least MAX_LORAS={lora.max_loras}")
+        if lora.max_file_bytes is not None and lora.max_file_bytes < 1:
+            raise ValueError(f"MAX_LORA_FILE_BYTES={lora.max_file_bytes} must be positive")
         registry = cls(model, lora)
         for name, path in parse_modules(config.lora_modules):
             try:
@@ -78,6 +81,7 @@ class AdapterRegistry:
     def __init__(self, model: ModelConfig, config: LoraConfig):
         self.model, self.config = model, config
         self.capacity = max(config.max_cpu_loras or config.max_loras, config.max_loras)
+        self.max_file_bytes = config.max_file_bytes or largest_adapter_bytes(model, config.max_lora_rank)
         self._lock = threading.Lock()
         self._current: dict[str, AdapterVersion] = {}  # by name
         self._slots: dict[str, int] = {}  # every name ever loaded -> its slot
@@ -101,7 +105,7 @@ class AdapterRegistry:
         """Register (or replace) `name` from the PEFT folder `path`."""
         if not name or "," in name or name.strip() != name:
             raise ContractError("lora_name", f"{name!r} is not a usable adapter name (no commas, no outer spaces)")
-        weights = read_adapter(path, self.model, self.config.max_lora_rank)  # the slow part, unlocked
+        weights = self._read(path)  # the slow part, unlocked
         with self._lock:
             slot = self._slots.setdefault(name, len(self._slots) + 1)
             version = AdapterVersion(name, slot, next(self._versions), str(path), weights.rank, weights.digest)
@@ -150,15 +154,18 @@ class AdapterRegistry:
             if weights is not None:
                 self._host.move_to_end(version)
                 return weights
-        if folder_digest(version.path) != version.digest:
+        if folder_digest(version.path, self.max_file_bytes) != version.digest:
             raise ContractError(
                 "adapter_slot",
                 f"adapter {version.name!r}'s folder {version.path} changed since it was loaded; load it again",
             )
-        weights = read_adapter(version.path, self.model, self.config.max_lora_rank)
+        weights = self._read(version.path)
         with self._lock:
             self._keep(version, weights)
         return weights
+
+    def _read(self, path: str) -> LoraWeights:
+        return read_adapter(path, self.model, self.config.max_lora_rank, self.max_file_bytes)
 
     def _keep(self, version: AdapterVersion, weights: LoraWeights) -> None:
         self._host[version] = weights
