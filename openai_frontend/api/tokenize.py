@@ -96,12 +96,8 @@ async def _chat_tokens(serving: Serving, body: TokenizeRequest) -> list[int]:
     messages = [message.template_dict() for message in body.messages]
     tools = body.tools if body.tools and tokenization.template_has_tools else None
     variables = template_variables(body.chat_template_kwargs)
-    tokens = await tokenization.encode_chat(
-        messages, tools, variables, body.add_generation_prompt, body.continue_final_message
-    )
-    if body.add_special_tokens:  # the template writes its own; vLLM adds the tokenizer's on request
-        tokens = tokenization.tokenizer.build_inputs_with_special_tokens(tokens)
-    return list(tokens)
+    options = (body.add_generation_prompt, body.continue_final_message, bool(body.add_special_tokens))
+    return await tokenization.encode_chat(messages, tools, variables, *options)
 
 
 @router.post("/detokenize")

@@ -48,18 +48,20 @@ class Tokenization:
         variables: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The conversation through the model's chat template (ready for the reply, unless
-        it continues the final message), tokenized as the template wrote it."""
+        it continues the final message), tokenized as the template wrote it (the
+        tokenizer's own special tokens added only when asked: vLLM's /tokenize)."""
         render = (messages, tools, variables or {}, add_generation_prompt, continue_final_message)
-        return await self.off_loop(self._encode_chat, *render)
+        return await self.off_loop(self._encode_chat, render, add_special_tokens)
 
-    def _encode_chat(self, messages, tools, variables, add_generation_prompt, continue_final_message) -> list[int]:
+    def _encode_chat(self, render: tuple, add_special_tokens: bool) -> list[int]:
         try:
-            text = self.template.render(messages, tools, variables, add_generation_prompt, continue_final_message)
+            text = self.template.render(*render)
         except Exception as exc:  # jinja's refusals, the budget's, or a template's own bug
             raise bad_request("messages", f"messages: {template_failure(exc)}") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     @property
     def template_has_tools(self) -> bool:
