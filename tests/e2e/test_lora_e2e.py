@@ -67,7 +67,7 @@ def test_models_list_each_adapter_under_the_base_model(client, base, adapters):
     assert set(cards) == {base, "sql", "chat"}
     assert cards[base].parent is None
     assert {(cards[n].parent, cards[n].root) for n in ("sql", "chat")} == {(base, "sql"), (base, "chat")}
-    assert all(str(path) not in str(cards[n]) for n, path in adapters.items())  # no server folder shown
+    assert all(str(adapters[n]) not in str(cards[n]) for n in ("sql", "chat"))  # no server folder shown
     assert client.models.retrieve("chat").parent == base
 
 
