@@ -80,13 +80,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     serving = _serving(request)
     await _checked_model(serving, body.model)
     info = await serving.model_info()
-    tokenizer = serving.tokenization.tokenizer
+    tokenization = serving.tokenization
     if body.messages is None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = await serving.tokenization.encode_text(body.prompt, add_special_tokens=special)
+        tokens = await tokenization.encode_text(body.prompt, add_special_tokens=special)
     else:
         tokens = await _chat_tokens(serving, body)
-    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    strs = (
+        await tokenization.off_loop(tokenization.tokenizer.convert_ids_to_tokens, tokens)
+        if body.return_token_strs
+        else None
+    )
     return TokenizeResponse(count=len(tokens), max_model_len=info.max_model_len, tokens=tokens, token_strs=strs)
 
 
@@ -109,4 +113,4 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     for index, token in enumerate(body.tokens):
         if not 0 <= token < vocab:
             raise bad_request("tokens", f"tokens[{index}]: token id {token} is not in the vocabulary (0..{vocab - 1})")
-    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await serving.tokenization.off_loop(tokenizer.decode, body.tokens))
