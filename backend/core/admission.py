@@ -51,7 +51,8 @@ class Admission:
         # prompt logprobs need every prompt position computed: no prefix hits
         hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
         num_hit_tokens = len(hits) * bm.block_size
-        num_new, encoder_cost = self._fit_vision(seq, num_hit_tokens, min(seq.num_tokens - num_hit_tokens, budget))
+        chunk = self._chunk(seq.num_tokens - num_hit_tokens, budget, admitting=True)
+        num_new, encoder_cost = self._fit_vision(seq, num_hit_tokens, chunk)
         if not num_new or not bm.allocate_slots(seq, num_new, hits):
             return None
         self._charge_encoder(encoder_cost)

@@ -4,7 +4,14 @@ The scheduler owns a sequence from admission to its end (as vLLM v1's and nano-v
 do): `add`, `schedule` a step, `update` from what the step computed (append tokens,
 consult the guards, finish), `abort`. Each step, running sequences come first (a
 decode costs one token, an unfinished prompt a chunk of it), then waiting sequences
-are admitted while the budget, `max_num_seqs` and the block pool allow. When the pool
+are admitted while the budget, `max_num_seqs` and the block pool allow. A prompt
+alone (no decode beside it, nobody waiting) takes the whole budget as its chunk, and
+prompts alone are chunked in arrival order. Beside a decode, or while sequences wait,
+a prompt's chunk is at most `shared_chunk` (a quarter of the budget), and the running
+prompts' chunks leave that quarter to the decodes behind them and the admissions. So a
+long prompt (prompt logprobs included) holds the others for one step at most: the
+steps that carry their decodes or admit them compute a quarter-budget chunk of it, and
+a request that arrives during its prefill is admitted at the next step. When the pool
 runs dry for a running sequence, the most recently admitted one (SCHEDULING_POLICY=
 priority: the lowest priority; backend.core.ordering) is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed (its
@@ -141,7 +148,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
                 i += len(seq.beam.rows)
                 continue
             start = seq.num_computed_tokens
-            num_new, encoder_cost = self._fit_vision(seq, start, min(seq.num_tokens - start, budget))
+            num_new, encoder_cost = self._fit_vision(seq, start, self._chunk(seq.num_tokens - start, budget))
             if not num_new:  # its next image waits for a step with encoder budget
                 i += 1
                 continue
@@ -155,6 +162,25 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
             budget -= num_new
             i += 1
         return budget
+
+    @property
+    def shared_chunk(self) -> int:
+        """The most prompt tokens a sequence computes in a step it shares with others."""
+        return max(1, self.max_num_batched_tokens // 4)
+
+    def _chunk(self, remaining: int, budget: int, admitting: bool = False) -> int:
+        """The tokens a sequence with `remaining` to compute takes of `budget`. A decode, or a
+        prompt with no decode beside it and no admission to make, takes all it can; else a
+        prompt chunk is at most `shared_chunk`, and a running one leaves `shared_chunk` of
+        the budget (to the decodes behind it and the admissions)."""
+        if remaining <= 1:
+            return min(remaining, budget)
+        others_wait = len(self.waiting) > (1 if admitting else 0) and len(self.running) < self.max_num_seqs
+        decoding = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        if not (others_wait or decoding):
+            return min(remaining, budget)
+        room = budget if admitting else budget - self.shared_chunk
+        return max(0, min(remaining, room, self.shared_chunk))
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Drafts for the sequences that sample this step, from the budget the step left,

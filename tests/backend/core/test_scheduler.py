@@ -39,22 +39,69 @@ def plan_of(plan):
 
 
 def test_budget_chunks_a_long_prompt_and_mixes_in_decodes():
-    sched = make_scheduler(64, max_num_seqs=8, max_num_batched_tokens=10)
+    sched = make_scheduler(64, max_num_seqs=8, max_num_batched_tokens=12)  # shared_chunk 3
     a, b = make_seq(3, "a"), make_seq(25, "b", start=100)
     sched.add(a)
     sched.add(b)
     p1 = sched.schedule()
-    assert plan_of(p1) == [("a", 3), ("b", 7)]
+    assert plan_of(p1) == [("a", 3), ("b", 9)]  # a shared the step with b waiting: at most 3
     [out] = run_step(sched, p1)  # only a caught up and sampled
     assert (out.request_id, out.token_ids, out.final) == ("a", [7], None)
     p2 = sched.schedule()
-    assert plan_of(p2) == [("a", 1), ("b", 9)]  # a decodes, b's prefill continues
+    assert plan_of(p2) == [("a", 1), ("b", 3)]  # a decodes; b's prefill continues, a quarter beside it
     assert [s.completes for s in p2.scheduled] == [True, False]
     run_step(sched, p2)
+    sched.abort("a")
     p3 = sched.schedule()
-    assert plan_of(p3) == [("a", 1), ("b", 9)]
+    assert plan_of(p3) == [("b", 12)]  # alone again: the whole budget
     run_step(sched, p3)
-    assert b.num_computed_tokens == 25 and b.num_tokens == 26  # b sampled its first token
+    assert b.num_computed_tokens == 24 and b.num_tokens == 25
+
+
+def _prefill_alone(sched, seq, steps):
+    sched.add(seq)
+    for _ in range(steps):
+        plan = sched.schedule()
+        assert plan_of(plan) == [(seq.request_id, sched.max_num_batched_tokens)]
+        run_step(sched, plan)
+
+
+def test_a_request_added_mid_prefill_is_admitted_at_the_next_step_and_decodes_beside_it():
+    sched = make_scheduler(256, max_num_seqs=8, max_num_batched_tokens=16)  # shared_chunk 4
+    long = make_seq(200, "long")
+    _prefill_alone(sched, long, steps=3)
+    short = make_seq(6, "short", start=500)
+    short.sampling.max_tokens = 2
+    sched.add(short)
+    p = sched.schedule()
+    assert plan_of(p) == [("long", 4), ("short", 6)]  # the long one left room: short admitted whole
+    [out] = run_step(sched, p)
+    assert out.request_id == "short" and out.token_ids == [7]
+    p = sched.schedule()
+    assert plan_of(p) == [("long", 4), ("short", 1)]  # its decode beside a quarter chunk
+    [out] = run_step(sched, p)
+    assert out.request_id == "short" and out.final is not None
+    assert plan_of(sched.schedule()) == [("long", 16)]  # alone again
+
+
+def _admit(sched, seqs):
+    for seq in seqs:
+        sched.add(seq)
+    return sched.schedule()
+
+
+def test_a_long_prompt_admitted_beside_decodes_takes_a_quarter_and_leaves_room_for_the_queue():
+    sched = make_scheduler(256, max_num_seqs=8, max_num_batched_tokens=16)
+    run_step(sched, _admit(sched, [make_seq(3, "d0"), make_seq(3, "d1", start=40)]))
+    longs = [make_seq(100, f"p{i}", start=100 * (i + 1)) for i in range(4)]
+    p = _admit(sched, longs)
+    assert plan_of(p) == [("d0", 1), ("d1", 1), ("p0", 4), ("p1", 4), ("p2", 4), ("p3", 2)]
+    run_step(sched, p)
+    late = make_seq(5, "late", start=900)
+    sched.add(late)
+    p = sched.schedule()
+    # d0, d1 decode; p0, p1 take a quarter each; p2 would leave less than a quarter; late admitted
+    assert plan_of(p) == [("d0", 1), ("d1", 1), ("p0", 4), ("p1", 4), ("p2", 2), ("late", 4)]
 
 
 def test_max_num_seqs_limits_admission():
