@@ -45,6 +45,15 @@ class EngineConfig:
     # attention still computes in the model's dtype) | float32 | auto (float16 for weights
     # quantized on the CPU, else the model's dtype: model_runner.resolve_kv_dtype)
     kv_cache_dtype: str = "auto"
+    # grammar compilation (backend.sampling.grammar_compiler): seconds one may take (a slot's
+    # wait included; then killed), worker processes (compilations at once), compilations of
+    # one tenant at once, and the largest spec: JSON values of a json_schema / structural_tag,
+    # characters of a regex / ebnf
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_workers: int = 2
+    grammar_compiles_per_tenant: int = 1
+    grammar_max_spec_nodes: int = 30_000
+    grammar_max_spec_chars: int = 65_536
 
     @classmethod
     def from_env(cls, model_path: str | None = None) -> EngineConfig:
@@ -71,6 +80,10 @@ class EngineConfig:
             ("MAX_BEAMS", "max_beams"),
             ("ENCODER_CACHE_TOKENS", "encoder_cache_tokens"),
             ("QUANT_GROUP_SIZE", "quant_group"),
+            ("GRAMMAR_COMPILE_WORKERS", "grammar_compile_workers"),
+            ("GRAMMAR_COMPILES_PER_TENANT", "grammar_compiles_per_tenant"),
+            ("GRAMMAR_MAX_SPEC_NODES", "grammar_max_spec_nodes"),
+            ("GRAMMAR_MAX_SPEC_CHARS", "grammar_max_spec_chars"),
         ):
             value = opt_int(name)
             if value is None:
@@ -79,6 +92,8 @@ class EngineConfig:
                 cfg.kv_cache_bytes = value << 20
             else:
                 setattr(cfg, attr, value)
+        if env.get("GRAMMAR_COMPILE_TIMEOUT_S"):
+            cfg.grammar_compile_timeout_s = float(env["GRAMMAR_COMPILE_TIMEOUT_S"])
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
         cfg.quant = env.get("QUANT") or "auto"
         cfg.quant_symmetric = env.get("QUANT_SYMMETRIC", "0") not in ("0", "false", "no", "")

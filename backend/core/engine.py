@@ -3,7 +3,7 @@
 `step()` reads as the design does: the scheduler plans the step, the model runner
 computes it, the scheduler updates the sequences from what it computed and returns
 the outputs. Not thread-safe by design: one thread (backend.serving.engine_thread)
-owns it; `prepare` alone may run on another.
+owns it; `prepare` alone may run on others.
 """
 
 from __future__ import annotations
@@ -26,12 +26,17 @@ from backend.lora.peft_format import LoraWeights
 from backend.lora.registry import AdapterRegistry, AdapterVersion
 from backend.runner.model_runner import ModelRunner
 from backend.sampling.grammar import CompiledGrammar
-from backend.sampling.grammar_compiler import GrammarCompiler
+from backend.sampling.grammar_compiler import GrammarCompiler, GrammarLimits
 from backend.sampling.vocab import Vocabulary, load_tokenizer
 from backend.settings.model_settings import ModelSettings
 from backend.speculation.speculator import SpecStats, Speculator
 from backend.vision.encoder_cache import EncoderCache
 from backend.vision.state import VisionState
+
+
+def needs_preparing(request: GenerationRequest) -> bool:
+    """Whether `prepare` has work to do for the request: a grammar to compile, an adapter to resolve."""
+    return bool(request.grammar_kind or request.adapter_slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +118,15 @@ class LLMEngine:
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """What a request needs before `add_request` that may run on any thread: its
-        grammar, compiled (or taken from the cache), and its adapter, resolved and its
-        weights at hand. The Triton model calls it on the request's own thread, so a slow
-        compilation or an adapter read from disk never stalls the running batch.
-        Raises ContractError naming grammar_kind / grammar_spec / adapter_slot."""
+        grammar, compiled (or taken from its tenant's cache), and its adapter, resolved and
+        its weights at hand. The Triton model calls it on a thread of the request's own
+        (backend.serving.preparer), so a slow compilation or an adapter read from disk
+        stalls neither the running batch nor other requests. Raises ContractError naming
+        grammar_kind / grammar_spec / adapter_slot."""
         grammar = None
         if request.grammar_kind:
-            grammar = self.grammar_compiler().compile(request.grammar_kind, request.grammar_spec)
+            compiler = self.grammar_compiler()
+            grammar = compiler.compile(request.grammar_kind, request.grammar_spec, request.lookup_tenant)
         if not request.adapter_slot:
             return Prepared(grammar)
         if self.adapters is None:
@@ -129,13 +136,28 @@ class LLMEngine:
         return Prepared(grammar, adapter, weights)
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """The engine's grammar compiler (and its cache of compiled grammars); thread-safe."""
+        """The engine's grammar compiler (its worker processes, its cache of compiled
+        grammars); thread-safe."""
         with self._grammars_lock:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise ContractError("grammar_kind", "this model folder has no tokenizer, which grammars need")
-                self._grammars = GrammarCompiler(self.config.model_path, self.vocab_size, self.eos_token_ids)
+                config = self.config
+                limits = GrammarLimits(
+                    compile_timeout_s=config.grammar_compile_timeout_s,
+                    workers=config.grammar_compile_workers,
+                    per_tenant=config.grammar_compiles_per_tenant,
+                    max_spec_nodes=config.grammar_max_spec_nodes,
+                    max_spec_chars=config.grammar_max_spec_chars,
+                )
+                self._grammars = GrammarCompiler(config.model_path, self.vocab_size, self.eos_token_ids, limits=limits)
             return self._grammars
+
+    def close(self) -> None:
+        """Stop the grammar compiler's worker processes (the engine thread's last act)."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
 
     def add_request(
         self,

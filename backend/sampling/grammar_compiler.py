@@ -1,70 +1,63 @@
-"""Structured output, the compiling half: (kind, spec) -> CompiledGrammar, cached and bounded.
+"""Structured output, the compiling half: (kind, spec) -> CompiledGrammar, cached, bounded,
+and isolated per tenant.
 
-`GrammarCompiler` (one per engine; called from Triton's request threads) turns a
-(kind, spec) pair into a `CompiledGrammar` (backend.sampling.grammar), with an LRU
-cache and a time limit. Specs are checked and adjusted before xgrammar sees them.
+`GrammarCompiler` (one per engine; called from the threads that prepare requests) turns
+a (kind, spec) pair of a tenant into a `CompiledGrammar` (backend.sampling.grammar):
 
-Built on xgrammar 0.2.9. Compilation releases the GIL but cannot be cancelled, and has
-no time limit of its own: a schema with many anyOf branches of many properties takes
-minutes, a schema nested 1000 levels deep 44 s. We run it on a daemon thread and stop
-waiting at a deadline (see `GrammarCompiler.compile`), and refuse deep JSON up front.
+1. the spec is checked against its limits and adjusted (backend.sampling.grammar_specs),
+   before anything compiles: a spec past GRAMMAR_MAX_SPEC_NODES / _CHARS costs
+   milliseconds;
+2. a worker process compiles it (backend.sampling.grammar_workers) within the tenant's
+   share of the slots and GRAMMAR_COMPILE_TIMEOUT_S, killed past it;
+3. once a worker has shown that it compiles in time, this process compiles it again, on
+   a thread at the workers' low priority, and keeps it in an LRU cache.
+
+The cache is keyed by tenant as well, as the prefix cache is: one tenant cannot learn
+from a fast answer that another compiled a schema, and cannot hold another's grammars.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import xgrammar as xgr
 
 from backend.contract import ContractError
 from backend.sampling.grammar import CompiledGrammar, GrammarState
+from backend.sampling.grammar_specs import GRAMMAR_KINDS, checked_spec, compile_spec, xgrammar_reason
+from backend.sampling.grammar_workers import CompileTimeout, CompileWorkers, Vocabulary, lower_priority
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
-# Most whitespace characters allowed between two JSON tokens of a structural tag (tool
-# calls). Unbounded whitespace (xgrammar's default) lets a weak model, or a sampler with
-# a flat distribution, emit newlines forever inside an otherwise valid document; a bound
-# of 24 still let SmolLM2 at temperature 1 write 16+ single-newline tokens in one gap,
-# which the content-loop guard (rightly) took for a loop and cut the call short (seen
-# once in CI). One character keeps ", ", ": " and a newline; as with response_format,
-# the layout of arguments carries no information.
-JSON_MAX_WHITESPACE = 1
-# response_format output is one line, laid out as json.dumps lays it out: ", " and ": "
-# and no other whitespace. With free whitespace (xgrammar's default), the default model
-# sampling at 0.7 wrote newlines between most tokens and ran out of max_tokens before
-# closing the object; the layout carries no information, so it is not left to chance.
-_CANONICAL_JSON = {"any_whitespace": False, "separators": (", ", ": ")}
-# Deepest JSON nesting a json_schema or structural_tag spec may have. xgrammar's
-# compile time grows steeply with depth (schema depth 400: 3 s, 1000: 44 s); real
-# schemas stay far below this.
-MAX_SPEC_NESTING = 100
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
-# Compilations that may run at once. Each may use `compile_threads` threads, and one
-# that outlives its deadline keeps them until it finishes, so this also bounds the
-# CPU an abandoned compilation can take from the engine.
-_CONCURRENT_COMPILES = 2
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one compilation may cost (EngineConfig's GRAMMAR_* settings)."""
 
-_OBJECT_SCHEMA = '{"type": "object"}'
-# any characters but the control ones, low to high of them (high empty: no upper bound)
-_LENGTH_PATTERN = r"^[^\x00-\x1f]{{{low},{high}}}$"
-_XGRAMMAR_NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
-_MAX_REASON_CHARS = 400
+    compile_timeout_s: float = 10.0  # a slot's wait and the worker's compilation, together
+    workers: int = 2  # compilations at once, in all
+    per_tenant: int = 1  # compilations of one tenant at once
+    # the largest spec compiled: JSON values of a json_schema / structural_tag spec (the
+    # largest real tool lists have about 12k: 128 tools of 10 parameters; 300 anyOf
+    # branches of 60 properties, 37k, compile for 40 s), characters of a regex / ebnf
+    max_spec_nodes: int = 30_000
+    max_spec_chars: int = 65_536
+
+
+_Key = tuple[str, str, str]  # (tenant, kind, spec)
 
 
 class GrammarCompiler:
     """Compiles (kind, spec) pairs for one tokenizer; safe to call from many threads.
 
-    The cache holds a Future per key, so concurrent requests for the same grammar
-    share one compilation, and a request retried after a timeout waits on the
-    compilation already running instead of starting another.
+    The cache holds a Future per key, so concurrent requests of one tenant for the same
+    grammar share one compilation: the first one's thread runs it, the others wait
+    within their own deadlines. Failures are not kept.
     """
 
     def __init__(
@@ -74,10 +67,12 @@ class GrammarCompiler:
         stop_token_ids: Sequence[int],
         cache_size: int = 256,
         *,
-        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        limits: GrammarLimits | None = None,
         compile_threads: int = 2,
     ):
         from transformers import AutoTokenizer  # heavy; only grammar users pay for it
+
+        limits = limits or GrammarLimits()
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
@@ -85,159 +80,95 @@ class GrammarCompiler:
         )
         # our LRU replaces xgrammar's cache, which has no bound by default
         self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        vocabulary = Vocabulary(str(tokenizer_path), vocab_size, tuple(stop_token_ids))
+        self.workers = CompileWorkers(vocabulary, limits.workers, limits.per_tenant, compile_threads)
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self.compile_timeout_s = compile_timeout_s
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.limits = limits
+        self._cache: OrderedDict[_Key, Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(_CONCURRENT_COMPILES)
 
-    def compile(self, kind: str, spec: str) -> CompiledGrammar:
-        """The compiled grammar for (kind, spec); raises ContractError naming the bad field."""
+    def compile(self, kind: str, spec: str, tenant: str = "") -> CompiledGrammar:
+        """The compiled grammar for (kind, spec) in `tenant`'s cache; raises ContractError
+        naming the bad field (a compilation past its time names grammar_spec)."""
         if kind not in GRAMMAR_KINDS:
             raise ContractError("grammar_kind", f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
-        key = (kind, "" if kind == "json_object" else spec)  # json_object takes no spec
-        future = self._cached_or_started(key)
+        deadline = time.monotonic() + self.limits.compile_timeout_s
+        key = (tenant, kind, "" if kind == "json_object" else spec)  # json_object takes no spec
+        future, owned = self._cached_or_new(key)
+        if owned:
+            self._settle(future, key, deadline)
         try:
-            return future.result(timeout=self.compile_timeout_s)
-        except (FutureTimeout, CancelledError):
-            future.cancel()  # succeeds only while it still waits for a slot
-            raise ContractError(
-                "grammar_spec",
-                f"compiling the {kind} grammar took longer than {self.compile_timeout_s:g} s; "
-                "simplify it (fewer anyOf/oneOf branches, properties or nesting levels)",
-            ) from None
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            raise self._too_slow(kind) from None
 
-    def new_state(self, kind: str, spec: str) -> GrammarState:
-        return self.compile(kind, spec).new_state()
+    def new_state(self, kind: str, spec: str, tenant: str = "") -> GrammarState:
+        return self.compile(kind, spec, tenant).new_state()
 
-    def _cached_or_started(self, key: tuple[str, str]) -> Future:
+    def close(self) -> None:
+        """Stop the worker processes; compilations after this fail."""
+        self.workers.close()
+
+    def _cached_or_new(self, key: _Key) -> tuple[Future, bool]:
+        """(the key's Future, whether the caller is to run its compilation)."""
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
-                return future
-            future = Future()
-            self._cache[key] = future
+                return future, False
+            future = self._cache[key] = Future()
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        # failures are not kept: the cache holds grammars and compilations in flight
         future.add_done_callback(lambda done: self._forget_failed(key, done))
-        threading.Thread(target=self._run, args=(future, *key), name="grammar-compile", daemon=True).start()
-        return future
+        return future, True
 
-    def _forget_failed(self, key: tuple[str, str], future: Future) -> None:
-        if future.cancelled() or future.exception() is not None:
+    def _forget_failed(self, key: _Key, future: Future) -> None:
+        if future.exception() is not None:
             with self._lock:
                 if self._cache.get(key) is future:
                     del self._cache[key]
 
-    def _run(self, future: Future, kind: str, spec: str) -> None:
-        """Daemon thread body: a compilation nobody waits for any more cannot block exit."""
-        with self._slots:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(CompiledGrammar(self._compile_now(kind, spec), self.vocab_size))
-            except Exception as exc:  # a ContractError, or a bug: either way the waiters see it
-                future.set_exception(exc)
-
-    def _compile_now(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        if kind == "json_schema":
-            schema = _parse_json(kind, spec)
-            _bound_string_lengths_by_pattern(schema)
-            spec = json.dumps(schema)
-        elif kind == "structural_tag":
-            tag = _parse_json(kind, spec)
-            _patch_structural_tag(tag)
-            spec = json.dumps(tag)
+    def _settle(self, future: Future, key: _Key, deadline: float) -> None:
         try:
-            if kind == "json_object":  # an object, any keys; not xgrammar's builtin, which allows arrays
-                return self._xgr.compile_json_schema(_OBJECT_SCHEMA, strict_mode=False, **_CANONICAL_JSON)
-            if kind == "json_schema":
-                # strict mode (the default) refuses properties the schema does not name
-                return self._xgr.compile_json_schema(spec, **_CANONICAL_JSON)
-            if kind == "regex":
-                return self._xgr.compile_regex(spec)
-            if kind == "ebnf":
-                return self._xgr.compile_grammar(spec)
-            return self._xgr.compile_structural_tag(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError for all of these; be broad
-            raise ContractError("grammar_spec", f"invalid {kind} grammar: {_xgrammar_reason(exc)}") from exc
+            future.set_result(self._compile_new(*key, deadline))
+        except Exception as exc:  # a ContractError, or a bug: either way every waiter sees it
+            future.set_exception(exc)
 
+    def _compile_new(self, tenant: str, kind: str, spec: str, deadline: float) -> CompiledGrammar:
+        text = checked_spec(kind, spec, self.limits.max_spec_nodes, self.limits.max_spec_chars)
+        try:
+            with self.workers.tenant_slot(tenant, deadline):
+                reason = self.workers.check(kind, text, deadline)
+                if reason is not None:
+                    raise ContractError("grammar_spec", f"invalid {kind} grammar: {reason}")
+                return CompiledGrammar(self._compile_here(kind, text), self.vocab_size)
+        except CompileTimeout:
+            raise self._too_slow(kind) from None
 
-def _parse_json(kind: str, spec: str) -> Any:
-    """Parse errors from Python's json name line and column; xgrammar's do not."""
-    try:
-        value = json.loads(spec)
-    except (ValueError, RecursionError) as exc:
-        raise ContractError("grammar_spec", f"the {kind} spec is not valid JSON: {exc}") from None
-    if _json_depth(value) > MAX_SPEC_NESTING:
-        raise ContractError("grammar_spec", f"the {kind} spec nests deeper than {MAX_SPEC_NESTING} levels")
-    return value
+    def _compile_here(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        """xgrammar in this process, on a thread of its own at the workers' low priority
+        (xgrammar's threads inherit it), so the engine's steps win the cores. It took the
+        worker less than the time limit, and takes about as long here."""
+        done: list[xgr.CompiledGrammar | Exception] = []
 
+        def run() -> None:
+            lower_priority()
+            try:
+                done.append(compile_spec(self._xgr, kind, text))
+            except Exception as exc:  # xgrammar raises RuntimeError for all of these; be broad
+                done.append(exc)
 
-def _json_depth(value: Any) -> int:
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+        thread = threading.Thread(target=run, name="grammar-compile")
+        thread.start()
+        thread.join()
+        if isinstance(done[0], Exception):
+            raise ContractError("grammar_spec", f"invalid {kind} grammar: {xgrammar_reason(done[0])}")
+        return done[0]
 
-
-def _bound_string_lengths_by_pattern(schema: Any) -> None:
-    r"""In place: {"type": "string", "minLength": m, "maxLength": n} becomes the pattern
-    ^[^\x00-\x1f]{m,n}$.
-
-    xgrammar 0.2.9 compiles a length-bounded string to [^"\\\r\n]{m,n}, which lets raw
-    control characters through (tab, \x15...): invalid JSON that json.loads refuses. A
-    pattern is matched against the string's decoded characters and refuses them. Neither
-    form allows an escape (\n, \"), so nothing valid is lost. (xgrammar ignores the
-    lengths of a string that has a pattern; we leave those alone.)
-    """
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if node.get("type") == "string" and "pattern" not in node and "format" not in node:
-                low, high = node.get("minLength", 0), node.get("maxLength")
-                if (
-                    ("minLength" in node or "maxLength" in node)
-                    and _is_count(low)
-                    and (high is None or _is_count(high))
-                ):
-                    node.pop("minLength", None)
-                    node.pop("maxLength", None)
-                    node["pattern"] = _LENGTH_PATTERN.format(low=low, high="" if high is None else high)
-            # constants are values, not schemas: a {"maxLength": 3} inside one stays as it is
-            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _patch_structural_tag(tag: Any) -> None:
-    """In place: every JSON-schema part of a structural tag gets JSON_MAX_WHITESPACE (unless
-    it sets its own bound) and the length-bounded string fix."""
-    stack = [tag]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") == "json_schema" and "json_schema" in node:
-                node.setdefault("max_whitespace_cnt", JSON_MAX_WHITESPACE)
-                _bound_string_lengths_by_pattern(node["json_schema"])
-            # a JSON schema's own keywords are not tag formats: do not walk into it
-            stack.extend(v for k, v in node.items() if k != "json_schema")
-        elif isinstance(node, list):
-            stack.extend(node)
-
-
-def _xgrammar_reason(exc: Exception) -> str:
-    """xgrammar's message without its timestamp, C++ source location and check expression."""
-    reason = " ".join(_XGRAMMAR_NOISE.sub("", str(exc)).split())
-    return reason if len(reason) <= _MAX_REASON_CHARS else reason[:_MAX_REASON_CHARS] + "..."
+    def _too_slow(self, kind: str) -> ContractError:
+        return ContractError(
+            "grammar_spec",
+            f"compiling the {kind} grammar took longer than {self.limits.compile_timeout_s:g} s; "
+            "simplify it (fewer anyOf/oneOf branches, properties or nesting levels)",
+        )
