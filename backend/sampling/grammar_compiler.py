@@ -23,7 +23,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +55,9 @@ class GrammarCompiler:
     """Compiles (kind, spec) pairs for one tokenizer; safe to call from many threads.
 
     The cache holds a Future per key, so concurrent requests of one tenant for the same
-    grammar share one compilation: the first one's thread runs it, the others wait
-    within their own deadlines. Failures are not kept.
+    grammar share one compilation and its outcome: the first one's thread runs it, within
+    its deadline, and the others wait for it. Failures are not kept. Construction waits
+    for a worker to start (2-6 s), so no deadline pays for the first start.
     """
 
     def __init__(
@@ -73,7 +73,6 @@ class GrammarCompiler:
         from transformers import AutoTokenizer  # heavy; only grammar users pay for it
 
         limits = limits or GrammarLimits()
-
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
@@ -82,6 +81,7 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
         vocabulary = Vocabulary(str(tokenizer_path), vocab_size, tuple(stop_token_ids))
         self.workers = CompileWorkers(vocabulary, limits.workers, limits.per_tenant, compile_threads)
+        self.workers.wait_started()
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self.limits = limits
@@ -93,15 +93,11 @@ class GrammarCompiler:
         naming the bad field (a compilation past its time names grammar_spec)."""
         if kind not in GRAMMAR_KINDS:
             raise ContractError("grammar_kind", f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
-        deadline = time.monotonic() + self.limits.compile_timeout_s
         key = (tenant, kind, "" if kind == "json_object" else spec)  # json_object takes no spec
         future, owned = self._cached_or_new(key)
         if owned:
-            self._settle(future, key, deadline)
-        try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            raise self._too_slow(kind) from None
+            self._settle(future, key, time.monotonic() + self.limits.compile_timeout_s)
+        return future.result()  # bounded by its owner's deadline
 
     def new_state(self, kind: str, spec: str, tenant: str = "") -> GrammarState:
         return self.compile(kind, spec, tenant).new_state()

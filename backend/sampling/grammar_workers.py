@@ -111,6 +111,14 @@ class CompileWorkers:
                 self._idle.append(worker)
                 self._cond.notify_all()
 
+    def wait_started(self) -> None:
+        """Wait until a worker can compile; RuntimeError if none does in _START_TIMEOUT_S."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not any(worker.ready for worker in self._all):
+            if not _left(deadline):
+                raise RuntimeError("no grammar compiling process started")
+            time.sleep(0.05)
+
     def pids(self) -> list[int]:
         """The worker processes running now."""
         return [worker.pid for worker in self._all if worker.alive]
