@@ -4,10 +4,11 @@ The engine is not thread-safe: this thread builds it and runs its steps, and is 
 only one that changes it. Other threads talk to it through an inbox of commands
 (submit, abort), drained at the top of every loop iteration; when there is nothing to
 do the thread sleeps on a condition. Two exceptions, by design: `prepare` (a request's
-grammar and adapter) runs on the caller's thread, Triton's, and touches only the
-engine's thread-safe grammar compiler and adapter registry, so a slow compilation
-never stalls the batch; `adapter_command` (load, unload, ...) runs on its caller's
-thread against that registry alone.
+grammar and adapter) runs on a thread of the request's own (`accept`,
+backend.serving.preparer) and touches only the engine's thread-safe grammar compiler
+and adapter registry, so a slow compilation stalls neither Triton's thread, nor the
+batch, nor a request without a grammar; `adapter_command` (load, unload, ...) runs on
+its caller's thread against that registry alone.
 
 Failures never kill the thread. A request the engine refuses (`add_request` raises)
 fails alone; an exception in `step()` fails every request in flight with a clear
@@ -30,7 +31,8 @@ from backend.contract import (
     ModelInfo,
     RequestOutput,
 )
-from backend.core.engine import Prepared
+from backend.core.engine import Prepared, needs_preparing
+from backend.serving.preparer import Preparer
 from backend.speculation.speculator import SpecStats
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class EngineThread:
         self._on_failure = on_failure
         self._cond = threading.Condition()
         self._inbox: list[_Submit | _Abort] = []
+        self._preparer = Preparer(lambda request: self._engine.prepare(request), self.submit, on_outputs, on_failure)
         self._stopping = False
         self._stalled = False  # the last step failed: wait for new commands, don't spin
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -111,9 +114,13 @@ class EngineThread:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def prepare(self, request: GenerationRequest) -> Prepared:
-        """The request's grammar and adapter, on the caller's thread (thread-safe)."""
-        return self._engine.prepare(request)
+    def accept(self, request_id: str, request: GenerationRequest, arrival_time: float) -> None:
+        """Queue a request without waiting on its preparation: one with a grammar or an
+        adapter is prepared on a thread of its own, then queued; one without, now."""
+        if needs_preparing(request):
+            self._preparer.start(request_id, request, arrival_time)
+        else:
+            self.submit(request_id, request, arrival_time, Prepared())
 
     def adapter_command(self, command: AdapterCommand) -> AdapterTable:
         """Run a LoRA adapter command on the caller's thread (thread-safe)."""
@@ -124,7 +131,7 @@ class EngineThread:
         return self._engine.adapters.command(command)
 
     def submit(self, request_id: str, request: GenerationRequest, arrival_time: float, prepared: Prepared) -> None:
-        """Queue a request; its outputs or its failure come through the callbacks."""
+        """Queue a prepared request; its outputs or its failure come through the callbacks."""
         with self._cond:
             if not self._stopping:
                 self._inbox.append(_Submit(request_id, request, arrival_time, prepared))
@@ -134,6 +141,8 @@ class EngineThread:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its final output (finish reason abort) follows."""
+        if self._preparer.abort(request_id):
+            return
         with self._cond:
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
@@ -234,7 +243,10 @@ class EngineThread:
             if not self._engine.has_unfinished_requests():
                 break
             self._step()
-        self._fail_in_flight(RuntimeError("the server shut down before the request finished"))
+        shut_down = RuntimeError("the server shut down before the request finished")
+        self._fail_in_flight(shut_down)
+        self._preparer.fail_all(shut_down)
+        self._engine.close()  # the grammar compiler's worker processes
         self._take_snapshot()
         if self._kv_events is not None:
             self._kv_events.close()

@@ -1,14 +1,15 @@
 """Model `llm`: the thin Triton Python-backend adapter over the engine (decoupled).
 
 execute() decodes each request with the contract into a validated GenerationRequest,
-prepares its grammar, registers it as live and hands it to the engine thread, and
-returns at once. A model-info query is answered from the engine's facts, an adapter
-command (backend.contract.adapters) on a thread of its own (a load reads a folder)
-with the adapter table after it. The engine
-thread pushes outputs into the live-request registry; the sender thread
-(backend.serving.sender) sends, per stream, everything pending as ONE response (a send
-is a blocking round trip, whatever it holds), the final flag riding on the last, and
-aborts requests whose clients cancelled.
+registers it as live and hands it to the engine thread, and returns at once: a request
+with a grammar (or an adapter) is prepared on a thread of its own first
+(backend.serving.preparer), so a grammar's compilation never holds execute() up. A
+model-info query is answered from the engine's facts, an adapter command
+(backend.contract.adapters) on a thread of its own (a load reads a folder) with the
+adapter table after it. The engine thread pushes outputs into the live-request
+registry; the sender thread (backend.serving.sender) sends, per stream, everything
+pending as ONE response (a send is a blocking round trip, whatever it holds), the final
+flag riding on the last, and aborts requests whose clients cancelled.
 
 Every request gets its final flag: with its last tokens, with an error, or at shutdown.
 Triton calls finalize() only once no request is in flight, so the launcher asks for a
@@ -96,13 +97,12 @@ class TritonPythonModel:
             if self._draining.is_set():
                 raise contract.EngineUnavailable("the server is shutting down")
             generation = contract.decode_request(arrays, info.vocab_size, info.max_model_len)
-            prepared = self._engine.prepare(generation)
         except (contract.ContractError, contract.EngineUnavailable) as exc:
             _send_error(sender, exc)
             return
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
         self._live.open(request_id, sender, generation.stream)
-        self._engine.submit(request_id, generation, arrival_time, prepared)
+        self._engine.accept(request_id, generation, arrival_time)  # its grammar's errors come as its final
 
     def _command(self, sender, command: contract.AdapterCommand) -> None:
         try:

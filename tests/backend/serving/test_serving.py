@@ -210,7 +210,9 @@ MODEL_INFO = ModelInfo(max_model_len=64, vocab_size=100)
 
 class FakeEngine:
     """Emits one token per step per request, up to max_tokens; refuses a grammar kind
-    it does not know (as the engine refuses what only it can judge); can be told to fail."""
+    it does not know (as the engine refuses what only it can judge); can be told to fail.
+    Preparing a grammar spec "wait" waits for `release` (a slow compilation); a spec
+    "bad" fails as a bad schema does."""
 
     def __init__(self, blocks: int = 8):
         self.requests: dict[str, list[int]] = {}
@@ -220,6 +222,8 @@ class FakeEngine:
         self.arrivals: dict[str, float] = {}
         self.grammars: dict[str, object] = {}
         self.prepared_on: list[int] = []
+        self.release = threading.Event()
+        self.closed = False
         self.fail_next_step = False
         self.steps = 0
         self.emitted = 0  # tokens over all requests: a figure each step changes, in spec_stats
@@ -231,7 +235,14 @@ class FakeEngine:
 
     def prepare(self, request: GenerationRequest):
         self.prepared_on.append(threading.get_ident())
+        if request.grammar_spec == "wait":
+            assert self.release.wait(10)
+        if request.grammar_spec == "bad":
+            raise ContractError("grammar_spec", "invalid json_schema grammar: bad")
         return ("compiled", request.grammar_kind) if request.grammar_kind else None
+
+    def close(self) -> None:
+        self.closed = True
 
     def add_request(self, request_id: str, request: GenerationRequest, arrival_time=None, prepared=None) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -311,7 +322,7 @@ class Pipeline:
         sender = FakeSender(rid)
         request = GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens), stream=stream, **fields)
         self.live.open(rid, sender, stream)
-        self.thread.submit(rid, request, time.monotonic(), self.thread.prepare(request))
+        self.thread.accept(rid, request, time.monotonic())
         return sender
 
     def collect(self, rid: str, timeout: float = 5.0) -> list[Packet]:
@@ -345,7 +356,8 @@ def test_engine_thread_passes_the_arrival_and_the_prepared_grammar(pipe):
     pipe.submit("g", [1], max_tokens=1, grammar_kind="json_object")
     pipe.collect("g")
     assert pipe.engine.grammars["g"] == ("compiled", "json_object")
-    assert pipe.engine.prepared_on == [threading.get_ident()]  # on the caller's thread
+    [prepared_on] = pipe.engine.prepared_on  # on a thread of its own
+    assert prepared_on not in (threading.get_ident(), pipe.thread._thread.ident)
     assert before <= pipe.engine.arrivals["g"] <= time.monotonic()
     assert pipe.thread.model_info == MODEL_INFO
 
@@ -405,6 +417,53 @@ def test_shutdown_aborts_in_flight_requests_with_finals():
     p.thread.submit("late", GenerationRequest([1]), time.monotonic(), None)
     [late] = p.collect("late", timeout=1.0)
     assert isinstance(late.error, EngineUnavailable) and str(late.error) == "the server is shutting down"
+
+
+def test_a_request_being_prepared_holds_up_neither_the_caller_nor_a_request_without_a_grammar(pipe):
+    start = time.monotonic()
+    pipe.submit("g", [1], max_tokens=2, grammar_kind="json_object", grammar_spec="wait")
+    pipe.submit("p", [1], max_tokens=2)
+    assert pipe.collect("p")[-1].output.final.num_output_tokens == 2
+    assert time.monotonic() - start < 5.0 and "g" not in pipe.engine.arrivals  # g still compiles
+    pipe.engine.release.set()
+    assert pipe.collect("g")[-1].output.final.num_output_tokens == 2
+    assert pipe.engine.grammars["g"] == ("compiled", "json_object")
+
+
+def test_a_bad_grammar_is_the_requests_one_error(pipe):
+    pipe.submit("bad", [1], grammar_kind="json_schema", grammar_spec="bad")
+    [packet] = pipe.collect("bad")
+    assert isinstance(packet.error, ContractError) and packet.error.field == "grammar_spec"
+    assert "bad" not in pipe.engine.arrivals
+
+
+def test_an_abort_while_preparing_ends_the_request_at_once(pipe):
+    pipe.submit("g", [1, 2, 3], grammar_kind="json_object", grammar_spec="wait")
+    time.sleep(0.05)
+    pipe.thread.abort("g")
+    [packet] = pipe.collect("g")
+    final = packet.output.final
+    assert final.finish_reason is FinishReason.ABORT and final.finish_guard is FinishGuard.CANCELLED
+    assert packet.output.token_ids == [] and final.num_prompt_tokens == 3 and final.num_output_tokens == 0
+    pipe.thread.abort("g")  # again: nothing more
+    pipe.engine.release.set()  # its grammar compiles after all: dropped, never in the engine
+    pipe.submit("after", [1], max_tokens=1)
+    pipe.collect("after")
+    assert "g" not in pipe.engine.arrivals and pipe.engine.abort_calls == []
+    assert pipe.live.take(0) == []
+
+
+def test_shutdown_fails_requests_still_preparing_and_closes_the_engine():
+    p = Pipeline(FakeEngine())
+    p.submit("g", [1], grammar_kind="json_object", grammar_spec="wait")
+    time.sleep(0.05)
+    p.thread.shutdown()
+    [packet] = p.collect("g", timeout=1.0)
+    assert str(packet.error) == "the server shut down before the request finished"
+    assert p.engine.closed
+    p.engine.release.set()
+    time.sleep(0.05)
+    assert p.live.take(0) == [] and "g" not in p.engine.arrivals
 
 
 def test_engine_is_built_on_the_engine_thread_and_build_errors_surface():
@@ -688,6 +747,18 @@ def test_a_cancelled_request_is_aborted_once_and_gets_its_abort_final(serving):
     serving.wait_for(lambda: running.cancel_checks >= checks + 5)  # several more checks pass
     assert serving.pipe.engine.abort_calls == ["c"]  # aborted exactly once
     assert not _finished(running) and "r" in serving.pipe.engine.requests  # the other runs on
+
+
+def test_a_request_cancelled_while_preparing_gets_one_abort_final(serving):
+    sender = serving.pipe.submit("g", [1], grammar_kind="json_object", grammar_spec="wait")
+    sender.cancelled = True
+    serving.wait_for(lambda: _finished(sender))
+    [(output, final)] = sender.outputs
+    assert final and output.final.finish_reason is FinishReason.ABORT
+    serving.pipe.engine.release.set()
+    serving.wait_for(lambda: len(serving.pipe.live) == 0)
+    time.sleep(0.05)
+    assert len(sender.outputs) == 1 and sender.errors == [] and "g" not in serving.pipe.engine.arrivals
 
 
 def test_abort_all_aborts_every_live_request(serving):
