@@ -112,10 +112,12 @@ class CompileWorkers:
                 self._cond.notify_all()
 
     def wait_started(self) -> None:
-        """Wait until a worker can compile; RuntimeError if none does in _START_TIMEOUT_S."""
+        """Wait until a worker can compile; RuntimeError (the workers stopped) if none
+        does in _START_TIMEOUT_S."""
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not any(worker.ready for worker in self._all):
             if not _left(deadline):
+                self.close()
                 raise RuntimeError("no grammar compiling process started")
             time.sleep(0.05)
 
@@ -246,7 +248,7 @@ def _serve(conn: Connection, vocabulary: Vocabulary, threads: int) -> None:
     os.nice(COMPILE_NICENESS)
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
-    import xgrammar as xgr
+    import xgrammar as xgr  # imported here, after the nice: its seconds of imports yield the cores too
     from transformers import AutoTokenizer
 
     from backend.sampling.grammar_specs import compile_spec, xgrammar_reason
