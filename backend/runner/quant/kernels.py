@@ -9,6 +9,7 @@ int8 / int4 CPU kernels and the dequantize-then-matmul reference.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -59,9 +60,21 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+_CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+@functools.cache
 def build_directory() -> Path:
+    """The build's folder, named by torch's version and a digest of what the build depends
+    on (the sources and headers, their paths, the flags, this Python): every process of
+    one checkout loads one build, and two checkouts (or an edit) never rebuild over each
+    other's."""
     cache = os.environ.get("LLM_CACHE_DIR") or Path.home() / ".cache" / "tritonllm"
-    return Path(cache) / "kernels" / f"torch-{torch.__version__}"
+    digest = hashlib.sha256(f"{_CFLAGS} {sys.executable}".encode())
+    folder = Path(__file__).parent
+    for path in sorted([*folder.glob("*.cpp"), *folder.glob("*.h")]):
+        digest.update(f"{path}\0".encode() + path.read_bytes())
+    return Path(cache) / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -87,9 +100,8 @@ def _build(folder: Path):
     # setup's /usr/bin/ninja against the stub's, whose PATH starts with the venv's bin/).
     _venv_bin_first()
 
-    # -ffp-contract=off: the dequantization multiplies then adds, as the reference does
-    cflags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
-    return load(name="tritonllm_quant", sources=_SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+    # -ffp-contract=off (_CFLAGS): the dequantization multiplies then adds, as the reference does
+    return load(name="tritonllm_quant", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=str(folder), verbose=False)  # fmt: skip
 
 
