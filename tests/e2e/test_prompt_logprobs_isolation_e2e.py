@@ -6,8 +6,9 @@ B's chat alone computes one token of a cached prompt and one more: ~25 ms. Besid
 waits for the step under way (A's prompt alone takes the whole budget, 512 tokens and their
 logprobs: ~1 s on 2 cores), then runs in two steps that carry a quarter-budget chunk of A.
 Measured on 2 cores (QUANT_ACTIVATIONS=float32, 3,000 words): before the scheduler shared
-long prompts' steps, B took 10.6-11.6 s beside A (460x-540x alone), as long as A's whole
-prefill; since, 1.65-1.8 s (69x-70x), a fraction of A's time.
+long prompts' steps, B took 10.2-11.6 s beside A (363x-536x alone; A 11.7 s), as long as
+A's whole prefill; since, 1.65-1.8 s (55x-70x; A 8.9 s). Under heavy load from other
+processes both figures swing (once 33x before, 235x after, at a load average of 5).
 """
 
 from __future__ import annotations
