@@ -10,7 +10,7 @@ from backend.runner.quant.kernels import _cpu_flags
 from bench import llamacpp
 
 # The instructions our kernels and llama.cpp's choose between, named in the report: the same
-# code's ratios moved by more than the noise from one host to another (README "Speed")
+# code's ratios moved by more than the noise from one host to another (docs/speed.md)
 CPU_FLAGS = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 

@@ -4,7 +4,7 @@ Each workload runs its requests twice on the same in-process engine (SPECULATIVE
 the default; prefix caching off, so neither run reuses the other's KV), plain first,
 then speculating; the tokens are the same both times (greedy, lossless; with the default
 model's default int8 activations a verify step's rows can round apart from a decode step's,
-README "Quantization", so an answer may part from the plain one late), so the figures
+docs/quantization.md, so an answer may part from the plain one late), so the figures
 compare like with like:
 
 - code editing with Predicted Outputs: a ~300-token function, "rename this variable",

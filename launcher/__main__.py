@@ -56,7 +56,7 @@ def _warn_if_exposed(host: str) -> None:
     if not loopback:
         print(
             f"WARNING: serving on {host} without API keys: anyone who reaches this port can use the API. "
-            "Set API_KEYS or API_KEYS_FILE (README: Tenants and limits).",
+            "Set API_KEYS or API_KEYS_FILE (docs/tenants.md).",
             file=sys.stderr,
             flush=True,
         )
@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     activations = os.environ.get("QUANT_ACTIVATIONS") or "auto (int4 weights: int8 where the CPU has VNNI)"
     print(
         f"weights: QUANT={quant}, QUANT_ACTIVATIONS={activations}; QUANT=none serves float32, "
-        "QUANT_ACTIVATIONS=float32 float32's numbers from quantized weights (README: Quantization)",
+        "QUANT_ACTIVATIONS=float32 float32's numbers from quantized weights (docs/quantization.md)",
         flush=True,
     )
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -12,7 +12,7 @@ Markers (`e2e`, `slow`, `gpu`) are registered in pyproject.toml.
 The suite runs with QUANT_ACTIVATIONS=float32 (unless set): it proves the engine against
 references token for token (transformers, PEFT, plain decoding against speculative, one
 request alone against it among others), which takes float32's numbers; the default, auto,
-gives the default model's int4 weights int8 activations (README "Quantization"), whose
+gives the default model's int4 weights int8 activations (docs/quantization.md), whose
 rounding those comparisons cannot hold to. tests/e2e/test_default_serving_e2e.py serves
 that default and tests/backend/runner/quant/ its kernels.
 """

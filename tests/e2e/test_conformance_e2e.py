@@ -41,7 +41,7 @@ def test_a_forced_call_cut_by_max_tokens_shows_no_markup(client, model, tool_cho
 
 
 def test_the_call_wrapper_costs_what_the_readme_says(client, model, stack):
-    """README: a call's wrapper costs about 30 tokens with the default model (budget
+    """docs/tool-calls.md: a call's wrapper costs about 30 tokens with the default model (budget
     max_tokens for it)."""
     from transformers import AutoTokenizer
 

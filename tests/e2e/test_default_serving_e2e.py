@@ -1,6 +1,6 @@
 """The default configuration as `make serve` runs it: QUANT=auto and QUANT_ACTIVATIONS=auto,
 so the default model's Q4_1 blocks times int8 activations where the CPU has AVX-512 VNNI
-(README "Quantization"). The rest of the suite runs float32 activations (tests/conftest.py)
+(docs/quantization.md). The rest of the suite runs float32 activations (tests/conftest.py)
 to compare with references token for token; here the real openai SDK drives the default
 through what a user asks of it: chat, streams, logprobs, tools, schemas, n, penalties,
 concurrent streams. Its numbers are checked against the float32 activations' (close, and

@@ -44,7 +44,7 @@ def test_greedy_completion_logprobs_match_transformers(float32_cache, model_path
     transformers' argmax and its logprobs and top 5 transformers' log_softmax on the same
     weights (the default model's int4 blocks are its float32 folder's numbers), to 1e-3:
     measured within 3.4e-5 over 4 prompts x 16 tokens. The default float16 cache moved
-    them by up to 9.4e-3 (README "The KV cache in float16")."""
+    them by up to 9.4e-3 (docs/kv-cache.md)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

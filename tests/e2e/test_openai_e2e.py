@@ -192,7 +192,7 @@ def _frontend_aborts(stack) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-# min_tokens keeps the model from ending early, and with the loop guard off (README: a request
+# min_tokens keeps the model from ending early, and with the loop guard off (docs/reasoning-and-guards.md: a request
 # that wants repetition turns it off) nothing cuts it either: finishing would take minutes.
 # (With the guard on, greedy text that falls into a loop was cut at ~315 tokens, in 1.4 s.)
 LONG = {"prompt": STORY, "max_tokens": 3000, "min_tokens": 3000, "temperature": 0,

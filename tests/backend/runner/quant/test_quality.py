@@ -1,7 +1,7 @@
 """QUANT's quality on the default model, measured on the held-out text and prompts of
 bench/quality.py (text no other test uses), with thresholds set from what was measured.
 
-Measured (2 cores, `python -m bench.quality`; README "Quantization"): the default model's
+Measured (2 cores, `python -m bench.quality`; docs/quantization.md): the default model's
 float32 weights are its GGUF's Q4_1 blocks dequantized, so int4 g32 with zero points (the
 GGUF's blocks as they are) and int8 g32 with zero points (whose 256 levels hold Q4_1's 16
 exactly) give float32's perplexity and 20/20 identical greedy prompts, one stream at a time
@@ -51,8 +51,8 @@ def test_symmetric_int8_stays_within_one_percent_of_float32_perplexity(model_pat
 @pytest.mark.skipif("avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU")
 def test_int4_with_int8_activations_loses_no_more_than_llama_cpps_q4_1(model_path):
     """QUANT_ACTIVATIONS=int8 (llama.cpp's own decode arithmetic) on the GGUF's Q4_1 blocks:
-    within the +0.14% that llama.cpp's `llama-perplexity` loses on the same file (README
-    "Quantization"; measured -0.09%)."""
+    within the +0.14% that llama.cpp's `llama-perplexity` loses on the same file
+    (docs/quantization.md; measured -0.09%)."""
     ids = AutoTokenizer.from_pretrained(model_path)(quality.HELDOUT.read_text()).input_ids
     base, _ = quality.perplexity(quality.load(str(model_path), "none"), ids)
     with quality.activations("int8"):
