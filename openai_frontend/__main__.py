@@ -8,9 +8,10 @@ import os
 
 import uvicorn
 
-from openai_frontend.app import Settings, create_app
+from openai_frontend.app import create_app
 from openai_frontend.generation.routing import ROUTER_MODES
-from openai_frontend.http_server import HttpSettings, uvicorn_options
+from openai_frontend.http_server import uvicorn_options
+from openai_frontend.settings import Settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--dump",
-        default=os.environ.get("DUMP_DIR") or None,
+        default=None,
         metavar="DIR",
         help="write one JSON file per request here (body, tensors, final event, response); default $DUMP_DIR",
     )
@@ -46,14 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    http = HttpSettings.from_env(os.environ)
     name = args.served_model_name or args.model_path.rstrip("/").rsplit("/", 1)[-1]
     metrics_url = args.triton_metrics_url or default_metrics_url(args.triton_url)
-    settings = Settings(args.model_path, name, args.triton_url, args.dump, triton_metrics_url=metrics_url,
-                        dynamo_namespace=args.dynamo_namespace, router_mode=args.router_mode)  # fmt: skip
+    settings = Settings.from_env(os.environ, args.model_path, name, triton_url=args.triton_url, dump_dir=args.dump,
+                                 triton_metrics_url=metrics_url, dynamo_namespace=args.dynamo_namespace,
+                                 router_mode=args.router_mode)  # fmt: skip
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                **uvicorn_options(http))  # fmt: skip
+                **uvicorn_options(settings.http))  # fmt: skip
 
 
 def default_metrics_url(triton_url: str) -> str:

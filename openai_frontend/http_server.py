@@ -41,7 +41,6 @@ import asyncio
 import functools
 import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -71,7 +70,8 @@ REFUSAL = _connection_refusal()
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
-    """The HTTP server's bounds, from HTTP_<FIELD NAME> environment variables (README)."""
+    """The HTTP server's bounds: the HTTP_<FIELD NAME> environment variables (README), as
+    openai_frontend/settings.py passes them to `from_env`."""
 
     header_timeout_s: float = 10.0
     keepalive_timeout_s: float = 15.0
@@ -80,7 +80,7 @@ class HttpSettings:
     max_header_bytes: int = 16384
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> HttpSettings:
+    def from_env(cls, environ: Mapping[str, str]) -> HttpSettings:
         values = {}
         for f in fields(cls):
             name = f"HTTP_{f.name.upper()}"

@@ -79,7 +79,7 @@ class Serving:
         self.tool_parser: ToolParser | None = None  # the model's tool-call format
         self.adapters = Adapters(served_model_name)  # the engine's LoRA adapters, as last heard
         self.keepalive_s = KEEPALIVE_S  # a beam search's stream sends a comment this often until it ends
-        self.media = MediaSettings()  # what chat requests may bring as images and videos (from the environment)
+        self.media = MediaSettings()  # what chat requests may bring as images and videos (Settings.media)
         self._images: Qwen2VLImages | None = None
 
     @property

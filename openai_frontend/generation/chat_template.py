@@ -15,7 +15,6 @@ frontend's text threads (generation/tokenization.py), never on the event loop.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Mapping
@@ -51,7 +50,7 @@ class TemplateBudget:
     max_chars: int = 4_000_000
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> TemplateBudget:
+    def from_env(cls, environ: Mapping[str, str]) -> TemplateBudget:
         seconds = environ.get("CHAT_TEMPLATE_TIMEOUT_S", "").strip()
         chars = environ.get("CHAT_TEMPLATE_MAX_CHARS", "").strip()
         budget = cls(float(seconds) if seconds else 2.0, int(chars) if chars else 4_000_000)

@@ -7,15 +7,17 @@ engines' KV events (backend/serving/kv_events.py); `best_worker` asked without a
 id is a query: it changes no state in the router. The frontend counts the load itself
 (generation/routing.py), so Dynamo's load tracking is not used.
 
-Dynamo's settings come from the environment (launcher.dynamo_worker.dynamo_env):
-DYN_DISCOVERY_BACKEND (file, etcd or kubernetes), NATS_SERVER, DYN_REQUEST_PLANE, ...
+Dynamo's settings are launcher.dynamo_worker.dynamo_env's: DYN_DISCOVERY_BACKEND (file,
+etcd or kubernetes) and DYN_REQUEST_PLANE come in the frontend's settings (DynamoSettings,
+read by openai_frontend/settings.py); the others (NATS_SERVER, DYN_FILE_KV, ...) Dynamo's
+runtime reads from the process's environment itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -32,12 +34,25 @@ class WorkerInfo:
     block_size: int = 16
 
 
+@dataclass(slots=True, frozen=True)
+class DynamoSettings:
+    """How the runtime finds the instances and talks to them."""
+
+    discovery_backend: str = "file"  # DYN_DISCOVERY_BACKEND
+    request_plane: str = "tcp"  # DYN_REQUEST_PLANE
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> DynamoSettings:
+        return cls(environ.get("DYN_DISCOVERY_BACKEND", "file"), environ.get("DYN_REQUEST_PLANE", "tcp"))
+
+
 class DynamoView:
     """The registered instances (`workers`: Dynamo's instance id -> WorkerInfo) and the
     KV-aware router's answers. Make one per process, in the app's lifespan (`start`)."""
 
-    def __init__(self, namespace: str):
+    def __init__(self, namespace: str, settings: DynamoSettings | None = None):
         self.namespace = namespace
+        self.settings = settings or DynamoSettings()
         self.workers: dict[int, WorkerInfo] = {}
         self._runtime = None
         self._client = None
@@ -47,8 +62,7 @@ class DynamoView:
     async def start(self) -> None:
         from dynamo.runtime import DistributedRuntime
 
-        backend = os.environ.get("DYN_DISCOVERY_BACKEND", "file")
-        plane = os.environ.get("DYN_REQUEST_PLANE", "tcp")
+        backend, plane = self.settings.discovery_backend, self.settings.request_plane
         self._runtime = DistributedRuntime(asyncio.get_running_loop(), backend, plane, True)
         self._endpoint = self._runtime.endpoint(f"{self.namespace}.{ENDPOINT}")
         self._client = await self._endpoint.client()

@@ -1,4 +1,5 @@
-"""What the server lets a chat request bring as media, from the environment.
+"""What the server lets a chat request bring as media: these environment variables, as
+openai_frontend/settings.py passes them to `MediaSettings.from_env`.
 
 - LIMIT_MM_PER_PROMPT: items per request by kind, vLLM's syntax: `image=8,video=1` (the
   default); a kind left out keeps its default, 0 refuses that kind.
@@ -18,7 +19,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +45,8 @@ class MediaSettings:
     video_max_frames: int = 32
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> MediaSettings:
-        """The settings the environment gives; a ValueError naming a malformed variable."""
+    def from_env(cls, environ: Mapping[str, str]) -> MediaSettings:
+        """The settings `environ` gives; a ValueError naming a malformed variable."""
 
         def raw(name: str) -> str:
             return environ.get(name, "").strip()

@@ -16,7 +16,6 @@ All state lives on the event loop's thread: plain counters, no locks.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
@@ -34,8 +33,9 @@ CLIENT_CLOSED_REQUEST = 499  # serving.py's status for a client that left mid-re
 
 @dataclass(frozen=True, slots=True)
 class LimitSettings:
-    """The limits, from the environment variables of the same names. 0 is unlimited for
-    the tenants' limits, max_messages and max_string_chars; 0 queued: no queue."""
+    """The limits: the environment variables of the same names, as openai_frontend/settings.py
+    passes them to `from_env`. 0 is unlimited for the tenants' limits, max_messages and
+    max_string_chars; 0 queued: no queue."""
 
     tenant_max_concurrent: int = 0
     tenant_tokens_per_minute: int = 0
@@ -48,7 +48,7 @@ class LimitSettings:
     max_json_nesting: int = 128
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> LimitSettings:
+    def from_env(cls, environ: Mapping[str, str]) -> LimitSettings:
         values = {}
         for f in fields(cls):
             raw = environ.get(f.name.upper(), "").strip()

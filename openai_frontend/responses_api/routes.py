@@ -20,11 +20,8 @@ def _serving(request: Request) -> Serving:
 
 
 def _store(request: Request) -> ResponseStore:
-    """The app's store, made on first use (RESPONSES_STORE_MAX per tenant)."""
-    store = getattr(request.app.state, "responses_store", None)
-    if store is None:
-        store = request.app.state.responses_store = ResponseStore.from_env()
-    return store
+    """The app's store (app.py makes it: Settings.responses_store_max per tenant)."""
+    return request.app.state.responses_store
 
 
 @router.post("/v1/responses")

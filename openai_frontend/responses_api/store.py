@@ -8,8 +8,8 @@ not found. Nothing survives a restart of the frontend.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +28,15 @@ def not_found(response_id: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.", param, NOT_FOUND, "not_found")
 
 
+def store_max_from_env(environ: Mapping[str, str]) -> int:
+    """RESPONSES_STORE_MAX: stored responses per tenant (0: none is stored)."""
+    return int(environ.get("RESPONSES_STORE_MAX", DEFAULT_MAX))
+
+
 class ResponseStore:
     def __init__(self, max_entries: int = DEFAULT_MAX):
         self.max_entries = max_entries
         self._tenants: dict[str, OrderedDict[str, Stored]] = {}
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> ResponseStore:
-        env = os.environ if env is None else env
-        return cls(int(env.get("RESPONSES_STORE_MAX", DEFAULT_MAX)))
 
     def put(self, tenant: str, stored: Stored) -> None:
         if self.max_entries <= 0:

@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from openai_frontend.app import Settings, create_app
+from openai_frontend.app import create_app
 from openai_frontend.generation.tokenization import Tokenization
-from openai_frontend.media.settings import ENV_NAMES as MEDIA_ENV
-from openai_frontend.operations.limits import LimitSettings
-
-# what the app reads from the environment: cleared before each app is made
-APP_ENV = ["API_KEYS", "API_KEYS_FILE", "ALLOW_RUNTIME_LORA", "ADMIN_TENANTS", "SSE_KEEPALIVE_S", "UI", "METRICS_PUBLIC",
-           "CHAT_TEMPLATE_TIMEOUT_S", "CHAT_TEMPLATE_MAX_CHARS",
-           *(f.upper() for f in LimitSettings.__dataclass_fields__), *MEDIA_ENV]  # fmt: skip
+from openai_frontend.settings import Settings
 
 
 @pytest.fixture(scope="session")
@@ -24,15 +18,12 @@ def tokenization() -> Tokenization:
 
 
 @pytest.fixture
-def make_app(tokenization, monkeypatch):
+def make_app(tokenization):
     """An app configured by the given environment variables (and only those), on `engine`."""
 
     def make(engine, **env):
-        for name in APP_ENV:
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, str(value))
-        app = create_app(Settings("unused", "smol"), tokenization=tokenization)
+        environ = {name: str(value) for name, value in env.items()}
+        app = create_app(Settings.from_env(environ, "unused", "smol"), tokenization=tokenization)
         app.state.serving.engine = engine
         return app
 

@@ -215,9 +215,8 @@ def test_tokenizer_routes_404_another_model(app):
     assert response.json()["error"]["code"] == "model_not_found"
 
 
-def test_tokenizer_routes_need_the_api_key(tokenization, monkeypatch):
-    monkeypatch.setenv("API_KEYS", "sekret:team")
-    app = create_app(Settings("unused", "smol"), tokenization=tokenization)
+def test_tokenizer_routes_need_the_api_key(tokenization):
+    app = create_app(Settings.from_env({"API_KEYS": "sekret:team"}, "unused", "smol"), tokenization=tokenization)
     for path, body in [("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})]:
         assert _post(app, path, body)[0].status_code == 401
         assert _post(app, path, body, {"Authorization": "Bearer sekret"})[0].status_code == 200

@@ -20,7 +20,6 @@ from backend.contract.vision import VisionInfo
 from openai_frontend.app import Settings, create_app
 from openai_frontend.generation.tokenization import Tokenization
 from openai_frontend.media.parts import LOW_DETAIL_MAX_PIXELS
-from openai_frontend.media.settings import ENV_NAMES
 from tests.helpers.fake_engine import DEFAULT_INFO, FakeEngine
 from tests.helpers.media import data_url, encoded, image_url, picture, video_bytes
 from tests.helpers.vlm_models import vision_token_ids, write_tiny_qwen2_vl
@@ -47,15 +46,12 @@ def info(folder, vl_tokenization):
 
 
 @pytest.fixture
-def post(vl_tokenization, info, monkeypatch):
+def post(vl_tokenization, info):
     """POST a chat body to a fresh app (made with `env`); (the response, the engine)."""
 
     def run(body, env=None, model_info=None):
-        for name in ENV_NAMES:
-            monkeypatch.delenv(name, raising=False)
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, str(value))
-        app = create_app(Settings("unused", "vl"), tokenization=vl_tokenization)
+        environ = {name: str(value) for name, value in (env or {}).items()}
+        app = create_app(Settings.from_env(environ, "unused", "vl"), tokenization=vl_tokenization)
         engine = FakeEngine([5, 6], info=model_info or info)
         app.state.serving.engine = engine
 
