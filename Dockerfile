@@ -35,8 +35,8 @@ COPY launcher launcher
 COPY model_repository model_repository
 # Convert the default model once, at build time: nothing is downloaded at run time.
 RUN python -m backend.runner.convert
-# QUANT's AVX-512 kernels (used on a CPU that has AVX-512; a GPU run does not need them).
-RUN python -m backend.runner.quant.kernels
+# Our AVX-512 CPU kernels, backend/kernels (used on a CPU that has AVX-512; a GPU run does not need them).
+RUN python -m backend.kernels
 
 EXPOSE 8000
 # HOST=0.0.0.0 exposes the API beyond the container: put keys or a proxy in front of it.

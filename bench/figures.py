@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.runner.quant.kernels import _cpu_flags
+from backend.kernels import cpu_flags
 from bench import llamacpp
 
 # The instructions our kernels and llama.cpp's choose between, named in the report: the same
@@ -30,7 +30,7 @@ def describe_cpu() -> str:
         return "unknown"
     fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    has = ", ".join(f for f in CPU_FLAGS if f in _cpu_flags()) or "none of " + ", ".join(CPU_FLAGS)
+    has = ", ".join(f for f in CPU_FLAGS if f in cpu_flags()) or "none of " + ", ".join(CPU_FLAGS)
     return (
         f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}), "
         f"{len(os.sched_getaffinity(0))} cores to this process; {has}"

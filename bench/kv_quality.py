@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from bench.quality import HELDOUT, N_CTX, activations, agreement, chat_prompts, greedy_tokens, load
+from bench.quality import HELDOUT, N_CTX, agreement, chat_prompts, greedy_tokens, load
 
 BLOCK_SIZE = 16
 
@@ -52,9 +52,7 @@ def main() -> None:
     parser.add_argument("--quant", default="int4", help="QUANT of both runs")
     parser.add_argument("--activations", default="float32", help="QUANT_ACTIVATIONS of both runs (float32: "
                         "the cache's cost alone; the default model's default, auto, rounds them to int8)")  # fmt: skip
-    args = parser.parse_args()
-    with activations(args.activations):
-        _measure(args)
+    _measure(parser.parse_args())
 
 
 def _measure(args: argparse.Namespace) -> None:
@@ -65,11 +63,11 @@ def _measure(args: argparse.Namespace) -> None:
     model_path = args.model or str(ensure_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids, prompts = tokenizer(HELDOUT.read_text()).input_ids, chat_prompts(tokenizer)
-    model = load(model_path, args.quant)
+    model = load(model_path, args.quant, activations=args.activations)
     rows, reference = [], None
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         ppl, count = decode_perplexity(model, ids, dtype)
-        tokens = greedy_tokens(model_path, args.quant, prompts, kv_cache_dtype=name)
+        tokens = greedy_tokens(model_path, args.quant, prompts, kv_cache_dtype=name, activations=args.activations)
         reference = reference or tokens
         rows.append((name, ppl, count, *agreement(reference, tokens)))
     print(f"QUANT={args.quant}: perplexity of {HELDOUT.name} by decode steps ({rows[0][2]} tokens scored), "

@@ -16,10 +16,8 @@ row, the perplexity's 512-token chunks and their logits too; without it, float32
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +58,16 @@ class Quality:
     prefix_agreement: float = 1.0  # mean share of tokens before the first difference
 
 
-def load(model_path: str, quant: str, group: int = 32, symmetric: bool = False) -> torch.nn.Module:
+def load(
+    model_path: str, quant: str, group: int = 32, symmetric: bool = False, activations: str = "float32"
+) -> torch.nn.Module:
+    """The model with QUANT=quant (groups of `group`, `symmetric`), its tiles multiplying
+    `activations` (QUANT_ACTIVATIONS)."""
     from backend.runner.loader import load_model
     from backend.runner.quant.apply import QuantSpec
 
-    return load_model(model_path, torch.float32, torch.device("cpu"), QuantSpec(quant, group, symmetric))
+    spec = QuantSpec(quant, group, symmetric, activations=activations)
+    return load_model(model_path, torch.float32, torch.device("cpu"), spec)
 
 
 @torch.inference_mode()
@@ -96,10 +99,12 @@ def greedy_tokens(
     tokens: int = 64,
     together: bool = False,
     kv_cache_dtype: str = "float32",
+    activations: str = "float32",
     **quant_kw,
 ) -> list[list[int]]:
     """Greedy tokens through the engine; a float32 KV cache unless asked (the weights' format
-    alone: bench.kv_quality measures the cache's)."""
+    alone: bench.kv_quality measures the cache's), quantized weights times `activations`
+    (QUANT_ACTIVATIONS)."""
     from backend.contract import SamplingParams
     from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
@@ -110,6 +115,7 @@ def greedy_tokens(
         enable_prefix_caching=False,
         speculative="off",
         kv_cache_dtype=kv_cache_dtype,
+        quant_activations=activations,
         **quant_kw,
     )
     engine = LLMEngine(config)
@@ -148,31 +154,18 @@ def measure(model_path: str, formats: list[tuple[str, int, bool, bool]]) -> list
     prompts = chat_prompts(tokenizer)
     results, reference = [], None
     for kind, group, symmetric, int8_activations in [("none", 32, False, False), *formats]:
-        with activations("int8" if int8_activations else "float32"):
-            model = load(model_path, kind, group, symmetric)
-            ppl, count = perplexity(model, ids)
-            del model
-            gc.collect()
-            tokens = greedy_tokens(model_path, kind, prompts, quant_group=group, quant_symmetric=symmetric)
+        activations = "int8" if int8_activations else "float32"
+        model = load(model_path, kind, group, symmetric, activations)
+        ppl, count = perplexity(model, ids)
+        del model
+        gc.collect()
+        tokens = greedy_tokens(
+            model_path, kind, prompts, activations=activations, quant_group=group, quant_symmetric=symmetric
+        )
         reference = reference or tokens
         same, share = agreement(reference, tokens)
         results.append(Quality(_label(kind, group, symmetric, int8_activations), ppl, count, same, share))
     return results
-
-
-@contextlib.contextmanager
-def activations(name: str):
-    """QUANT_ACTIVATIONS=name for the models loaded within."""
-    from backend.runner.quant import kernels
-
-    saved = kernels.activations()
-    os.environ["QUANT_ACTIVATIONS"] = name
-    kernels.activations.cache_clear()
-    try:
-        yield
-    finally:
-        os.environ["QUANT_ACTIVATIONS"] = saved
-        kernels.activations.cache_clear()
 
 
 def _label(kind: str, group: int, symmetric: bool, int8_activations: bool = False) -> str:

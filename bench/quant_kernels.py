@@ -27,8 +27,9 @@ import time
 
 import torch
 
+from backend.kernels import cpu_flags, native
 from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, tile_weight, unpack_int4
-from backend.runner.quant.kernels import _cpu_flags, native, quant_linear
+from backend.runner.quant.matmul import quant_linear
 
 SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
 ROWS = (1, 8, 32, 512)
@@ -65,7 +66,7 @@ def _candidates(w_list: list[torch.Tensor]):
     int8_channel = [torch.round(w / s).to(torch.int8) for w, s in zip(w_list, channel, strict=True)]
     t4 = [_torch_int4(w) for w in w_list]
     f32 = [w.t().contiguous() for w in w_list]
-    vnni = native() is not None and "avx512_vnni" in _cpu_flags()
+    vnni = native() is not None and "avx512_vnni" in cpu_flags()
     int8_tiles, int4_tiles = _tiled(int8), _tiled(int4)
     int8_a8, int4_a8 = (_tiled(int8, "int8"), _tiled(int4, "int8")) if vnni else ([], [])
     a8 = {

@@ -104,11 +104,10 @@ def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens
     from backend.runner.quant.apply import weight_bytes
 
     quant, kv_cache_dtype, activations = split_format(fmt)
-    with quality.activations(activations):
-        engine = LLMEngine(
-            EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant, kv_cache_dtype=kv_cache_dtype)
-        )
-        produced, seconds = _decode(engine, prompts, streams, tokens)
+    config = EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant,
+                          kv_cache_dtype=kv_cache_dtype, quant_activations=activations)  # fmt: skip
+    engine = LLMEngine(config)
+    produced, seconds = _decode(engine, prompts, streams, tokens)
     read = weight_bytes(engine.runner.model)
     del engine
     gc.collect()

@@ -35,9 +35,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     print(f"tritonserver: {install.tritonserver}; backend folder: {install.backend_dir}")
     model = default_model_path()
     print(f"model: {model}")
-    from backend.runner.quant.kernels import main as build_kernels
+    from backend.kernels.build import main as build_kernels
 
-    build_kernels()  # QUANT's AVX-512 kernels, compiled once here rather than at a server's start
+    build_kernels()  # our AVX-512 kernels (backend/kernels), compiled once here rather than at a server's start
     try:
         check_numpy_abi()
     except SetupError as exc:  # serving fails on it; the unit tests do not

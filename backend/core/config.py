@@ -40,6 +40,13 @@ class EngineConfig:
     quant: str = "none"
     quant_group: int = 32
     quant_symmetric: bool = False
+    # how the quantized weights multiply (backend/runner/quant/matmul.py): the activations they
+    # meet, auto | float32 | int8 (auto: int8 for int4 weights where the CPU has AVX-512 VNNI,
+    # else float32); the GEMM past the GEMV's rows, float32 | bf16; that crossover in rows
+    # (None: the one measured for each kind, int4 48, int8 12)
+    quant_activations: str = "auto"
+    quant_gemm: str = "float32"
+    quant_gemv_max_rows: int | None = None
     encoder_cache_tokens: int = 16384  # a vision model's encoder outputs kept (backend.vision.encoder_cache)
     # the KV cache's element type: float16 (half the bytes a step reads past the weights;
     # attention still computes in the model's dtype) | float32 | auto (float16 for weights
@@ -80,6 +87,7 @@ class EngineConfig:
             ("MAX_BEAMS", "max_beams"),
             ("ENCODER_CACHE_TOKENS", "encoder_cache_tokens"),
             ("QUANT_GROUP_SIZE", "quant_group"),
+            ("QUANT_GEMV_MAX_ROWS", "quant_gemv_max_rows"),
             ("GRAMMAR_COMPILE_WORKERS", "grammar_compile_workers"),
             ("GRAMMAR_COMPILES_PER_TENANT", "grammar_compiles_per_tenant"),
             ("GRAMMAR_MAX_SPEC_NODES", "grammar_max_spec_nodes"),
@@ -97,6 +105,8 @@ class EngineConfig:
         cfg.speculative = env.get("SPECULATIVE") or cfg.speculative
         cfg.quant = env.get("QUANT") or "auto"
         cfg.quant_symmetric = env.get("QUANT_SYMMETRIC", "0") not in ("0", "false", "no", "")
+        cfg.quant_activations = env.get("QUANT_ACTIVATIONS") or cfg.quant_activations
+        cfg.quant_gemm = env.get("QUANT_GEMM") or cfg.quant_gemm
         cfg.scheduling_policy = env.get("SCHEDULING_POLICY") or cfg.scheduling_policy
         cfg.kv_cache_dtype = env.get("KV_CACHE_DTYPE") or cfg.kv_cache_dtype
         cfg.spec_draft_model = env.get("SPEC_DRAFT_MODEL") or None

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend.kernels import decode_attention, paged_decode_attention
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.quant.kernels import decode_attention, paged_decode_attention
 
 
 @dataclass(slots=True)

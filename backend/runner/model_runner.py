@@ -70,7 +70,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         check_kv_cache_dtype(config)
         self.block_size = config.block_size
-        quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric)
+        quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric,
+                          activations=config.quant_activations, gemm=config.quant_gemm,
+                          gemv_max_rows=config.quant_gemv_max_rows)  # fmt: skip
         self.model = load_model(config.model_path, self.dtype, self.device, quant)
         quantized = getattr(self.model, "lm_head_q", None) is not None
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device, quantized)  # the target's; MTP, drafts: dtype

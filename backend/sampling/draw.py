@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.runner.quant.kernels import native
+from backend.kernels import native
 
 if TYPE_CHECKING:
     from backend.sampling.sampler import SamplingRow

@@ -16,13 +16,13 @@ import jsonschema
 import openai
 import pytest
 
-from backend.runner.quant import kernels
+from backend import kernels
 from launcher import Stack
 from tests.helpers.tools import WEATHER
 
 pytestmark = pytest.mark.e2e
 
-VNNI = kernels.native() is not None and "avx512_vnni" in kernels._cpu_flags()
+VNNI = kernels.native() is not None and "avx512_vnni" in kernels.cpu_flags()
 PROMPT = "The three primary colors are"
 TRIP = {
     "type": "object",

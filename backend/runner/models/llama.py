@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from backend.kernels import EMPTY, PAGED_HEAD_DIMS, native, rms_norm
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import (
     AttentionPlan,
@@ -26,7 +27,7 @@ from backend.runner.attention import (
 )
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.quant.formats import QuantizedWeight
-from backend.runner.quant.kernels import EMPTY, PAGED_HEAD_DIMS, native, quant_linear, rms_norm
+from backend.runner.quant.matmul import quant_linear
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:

@@ -12,15 +12,16 @@ table stays float (one row read per token). MTP heads, draft models and vision t
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from backend.kernels import cpu_flags, native
 from backend.runner import huge_pages
 from backend.runner.quant.formats import KINDS, QuantizedWeight, Tiles, quantize, tile_weight
 from backend.runner.quant.gguf_blocks import gguf_type, linear_format, read_gguf_weights
-from backend.runner.quant.kernels import activations, activations_for, gemm_dtype, native
+from backend.runner.quant.matmul import ACTIVATIONS, GEMM_DTYPES, activations_for
 
 LINEARS = ("qkv_t", "o_proj_t", "gate_up_t", "down_t")
 LM_HEAD_GROUP = 32
@@ -28,13 +29,23 @@ LM_HEAD_GROUP = 32
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
+    """QUANT and its companions as the engine's settings hold them (model_runner builds it
+    from EngineConfig); quantize_model hands the last three to every weight."""
+
     kind: str = "none"  # none | int8 | int4 | auto (resolve_auto)
     group: int = 32
     symmetric: bool = False  # False: zero points (a min per group)
+    activations: str = "auto"  # QUANT_ACTIVATIONS: auto | float32 | int8 (matmul.ACTIVATIONS)
+    gemm: str = "float32"  # QUANT_GEMM: float32 | bf16, the GEMM past the GEMV's rows (matmul.GEMM_DTYPES)
+    gemv_max_rows: int | None = None  # QUANT_GEMV_MAX_ROWS; None: matmul.GEMV_MAX_ROWS of the weight's kind
 
     def __post_init__(self):
         if self.kind not in ("none", "auto", *KINDS):
             raise ValueError(f"QUANT must be one of none, auto, {', '.join(KINDS)}; got {self.kind!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}; got {self.activations!r}")
+        if self.gemm not in GEMM_DTYPES:
+            raise ValueError(f"QUANT_GEMM must be one of {', '.join(GEMM_DTYPES)}; got {self.gemm!r}")
 
 
 def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, gguf_file: Path | None) -> QuantSpec:
@@ -47,22 +58,27 @@ def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, 
         return spec
     float32 = model.lm_head_t.dtype == torch.float32  # the kernels multiply float32 activations
     if gguf_file is None or device.type != "cpu" or not float32 or native() is None:
-        return QuantSpec("none")
+        return replace(spec, kind="none")
     stored = linear_format(gguf_file)
-    return QuantSpec(*stored) if stored is not None else QuantSpec("none")
+    if stored is None:
+        return replace(spec, kind="none")
+    kind, group, symmetric = stored
+    return replace(spec, kind=kind, group=group, symmetric=symmetric)
 
 
 def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
     """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
     from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
-    if activations() == "int8" and (spec.kind == "none" or native() is None):
+    if spec.activations == "int8" and "avx512_vnni" not in cpu_flags():
+        raise ValueError("QUANT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI")
+    if spec.activations == "int8" and (spec.kind == "none" or native() is None):
         raise ValueError(f"QUANT_ACTIVATIONS=int8 needs int4 or int8 weights and our kernels; QUANT is {spec.kind}")
     if spec.kind == "none":
         return 0
     # built (make setup) or built now, at load, rather than at the first request; without it
     # the weights have no tiles and multiply float32 activations
-    multiplied_by = activations_for(spec.kind) if native() is not None else "float32"
-    gemm_dtype()  # a bad QUANT_GEMM fails the load, not a request's first long step
+    multiplied_by = activations_for(spec.kind, spec.activations) if native() is not None else "float32"
+    gemm_dtype = GEMM_DTYPES[spec.gemm]
     cfg = model.config
     taken: dict[str, QuantizedWeight] = {}
     if gguf_file is not None:
@@ -75,12 +91,14 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
             if weight is None or not _same_shape(weight, param):
                 weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
             weight.tiles = _gemv_tiles(weight, multiplied_by)
+            weight.gemv_max_rows, weight.gemm_dtype = spec.gemv_max_rows, gemm_dtype
             del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
             setattr(layer, attr, weight)
     head = taken.get("lm_head_t")
     if head is None or not _same_shape(head, model.lm_head_t):  # int8, as GGUF's Q8_0
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
     head.tiles = _gemv_tiles(head, multiplied_by)
+    head.gemv_max_rows, head.gemm_dtype = spec.gemv_max_rows, gemm_dtype
     model.lm_head_q = head
     _tiles_on_huge_pages([*(getattr(layer, a) for layer in model.layers for a in LINEARS), head])
     source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"

@@ -52,6 +52,11 @@ class QuantizedWeight:
     # where the native kernels run: the same weights as Tiles (`tile_weight`), which the
     # GEMV reads instead of q, scales and mins (a copy: the reference and the other paths read those)
     tiles: Tiles | None = None
+    # how matmul.quant_linear multiplies it, set at load from QUANT_GEMV_MAX_ROWS / QUANT_GEMM
+    # (apply.quantize_model): up to how many rows the GEMV runs without tiles (None:
+    # matmul.GEMV_MAX_ROWS of its kind), and the GEMM's dtype past them (float32 or bfloat16)
+    gemv_max_rows: int | None = None
+    gemm_dtype: torch.dtype = torch.float32
 
     @property
     def out_features(self) -> int:

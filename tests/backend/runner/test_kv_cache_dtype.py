@@ -18,7 +18,8 @@ QUESTIONS = ["Name a bird that cannot fly.", "Why is ice slippery?", "Give me a 
 
 def _engine(model_path, kv_cache_dtype: str, quant: str = "int4") -> LLMEngine:
     config = EngineConfig(model_path=str(model_path), kv_cache_bytes=32 << 20, quant=quant, speculative="off",
-                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                          enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+                          quant_activations="float32")  # fmt: skip
     return LLMEngine(config)
 
 

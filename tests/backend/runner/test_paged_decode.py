@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend import kernels
 from backend.runner import attention
 from backend.runner.attention import build_attention_plan, paged_attention, paged_kv
 from backend.runner.forward_batch import Span, build_forward_batch
-from backend.runner.quant import kernels
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
 BLOCK = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.runner.quant import kernels
+from backend import kernels
 from backend.sampling.draw import first_max
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")

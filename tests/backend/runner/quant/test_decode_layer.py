@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from backend import kernels
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.runner.models.llama import DecoderLayer, LlamaForCausalLM
-from backend.runner.quant import kernels
 from backend.runner.quant.apply import QuantSpec, quantize_model
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
@@ -35,7 +35,7 @@ CONFIGS = {
 }
 
 
-def _quantized(config, folder, kind: str) -> LlamaForCausalLM:
+def _quantized(config, folder, kind: str, activations: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random norms and biases too, so each reaches the kernel
@@ -43,7 +43,7 @@ def _quantized(config, folder, kind: str) -> LlamaForCausalLM:
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     hf.save_pretrained(folder)
     model = load_model(folder, torch.float32, CPU)
-    quantize_model(model, QuantSpec(kind))
+    quantize_model(model, QuantSpec(kind, activations=activations))
     return model
 
 
@@ -80,14 +80,11 @@ def _decode_logits(
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_the_fused_decode_layer_matches_the_layer_by_layer_path(
-    name, kind, activations, use_activations, tmp_path, monkeypatch
-):
+def test_the_fused_decode_layer_matches_the_layer_by_layer_path(name, kind, activations, tmp_path, monkeypatch):
     """QUANT_ACTIVATIONS=int8: both paths take tiles_a8.cpp's GEMV (checked: other numbers)."""
-    if activations == "int8" and "avx512_vnni" not in kernels._cpu_flags():
+    if activations == "int8" and "avx512_vnni" not in kernels.cpu_flags():
         pytest.skip("no AVX-512 VNNI on this CPU")
-    use_activations(activations)
-    model = _quantized(CONFIGS[name](), tmp_path, kind)
+    model = _quantized(CONFIGS[name](), tmp_path, kind, activations)
     prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate([9, 20, 3])]
     calls = []
     fused_decode = DecoderLayer.decode
@@ -102,17 +99,18 @@ def test_the_fused_decode_layer_matches_the_layer_by_layer_path(
     else:  # a value a float rounding from x / d's rounding boundary may round either way:
         # one step of the 36 measured 5.6e-3 apart, the others <= 1.5e-6
         assert sorted(apart)[-2] < 1e-5 and max(apart) < 2e-2
-    use_activations("int8" if activations == "float32" else "float32")
-    other = _decode_logits(_quantized(CONFIGS[name](), tmp_path / "other", kind), prompts, steps=1)[0]
+    other_activations = "int8" if activations == "float32" else "float32"
+    other_model = _quantized(CONFIGS[name](), tmp_path / "other", kind, other_activations)
+    other = _decode_logits(other_model, prompts, steps=1)[0]
     assert (other - plain[0]).abs().max().item() > 1e-4
 
 
 @needs_kernels
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
-def test_a_float16_cache_is_written_and_read_alike_fused_and_layer_by_layer(name, tmp_path, monkeypatch):
+def test_a_float16_cache_is_written_and_read_alike_fused_and_layer_by_layer(name, activations, tmp_path, monkeypatch):
     """KV_CACHE_DTYPE=float16: the fused layer rounds k / v into the cache as torch's
     .to(float16) does and attends over them as the layer-by-layer path does."""
-    model = _quantized(CONFIGS[name](), tmp_path, "int4")
+    model = _quantized(CONFIGS[name](), tmp_path, "int4", activations)
     cfg = model.config
     prompts = [[(5 * i + 11 * j) % 256 for j in range(n)] for i, n in enumerate([7, 18, 2])]
 
@@ -138,8 +136,9 @@ def test_a_float16_cache_is_written_and_read_alike_fused_and_layer_by_layer(name
 
 
 @needs_kernels
-def test_layers_the_fused_call_does_not_cover_keep_their_path(tmp_path):
-    model = _quantized(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False), tmp_path / "qwen3", "int4")
+def test_layers_the_fused_call_does_not_cover_keep_their_path(activations, tmp_path):
+    qwen3 = Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    model = _quantized(qwen3, tmp_path / "qwen3", "int4", activations)
     assert model.layers[0].decode_operands() is None  # q/k norms
     unquantized = load_model(tmp_path / "qwen3", torch.float32, CPU)
     assert unquantized.layers[0].decode_operands() is None  # float32 linears

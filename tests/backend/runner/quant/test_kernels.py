@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from backend.runner.quant import kernels
+from backend import kernels
+from backend.runner.quant.apply import QuantSpec
 from backend.runner.quant.formats import (
     TILE,
     QuantizedWeight,
@@ -27,6 +28,7 @@ from backend.runner.quant.formats import (
     tile_weight,
     unpack_int4,
 )
+from backend.runner.quant.matmul import GEMV_MAX_ROWS, quant_linear
 
 needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
 FORMATS = [
@@ -60,7 +62,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_kernel_matches_its_reference(kind, group, symmetric, rows, with_bias):
     weight = _weight(200, 384, kind, group, symmetric)  # 200: not a multiple of any tile
-    if rows > kernels.GEMV_MAX_ROWS[kind]:
+    if rows > GEMV_MAX_ROWS[kind]:
         pytest.skip(f"{kind} multiplies {rows} rows by the GEMM")
     _check_quant_linear(weight, rows, with_bias)
 
@@ -69,7 +71,7 @@ def _check_quant_linear(weight: QuantizedWeight, rows: int, with_bias: bool) -> 
     """quant_linear on `rows` rows of x (and a bias) against the reference, for a 200 x 384 weight."""
     x = torch.randn(rows, 384)
     bias = torch.randn(200) if with_bias else None
-    got = kernels.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     assert got.shape == (rows, 200) and got.dtype == torch.float32
     assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
 
@@ -78,23 +80,23 @@ def _check_quant_linear(weight: QuantizedWeight, rows: int, with_bias: bool) -> 
 @pytest.mark.parametrize("kind,group,symmetric", FORMATS)
 @pytest.mark.parametrize("rows", [49, 100])
 def test_many_rows_go_through_a_float32_gemm_on_the_exact_weights(kind, group, symmetric, rows):
-    assert rows > kernels.GEMV_MAX_ROWS[kind]
+    assert rows > GEMV_MAX_ROWS[kind]
     weight = _weight(256, 512, kind, group, symmetric)
     x = torch.randn(rows, 512)
     bias = torch.randn(256)
-    got = kernels.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     assert _relative_error(got, _reference(x, weight, bias)) < 1e-6
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind,group,symmetric", FORMATS)
 @pytest.mark.parametrize("rows", [49, 100])
-def test_quant_gemm_bf16_matches_within_bf16_rounding(kind, group, symmetric, rows, monkeypatch):
-    monkeypatch.setenv("QUANT_GEMM", "bf16")
+def test_quant_gemm_bf16_matches_within_bf16_rounding(kind, group, symmetric, rows):
     weight = _weight(256, 512, kind, group, symmetric)
+    weight.gemm_dtype = torch.bfloat16  # QUANT_GEMM=bf16 (apply.quantize_model sets it at load)
     x = torch.randn(rows, 512)
     bias = torch.randn(256)
-    got = kernels.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     assert _relative_error(got, _reference(x, weight, bias)) < 1e-2  # bf16: 8 bits of mantissa on x and on w
     # exactly oneDNN's bf16 GEMM on the dequantized weights
     exact = torch.nn.functional.linear(x.bfloat16(), dequantize(weight).bfloat16()).float() + bias
@@ -138,7 +140,7 @@ def test_tiled_weights_of_a_wide_layer_are_read_in_chunks():
     # 1024 blocks of 32 inputs: one tile is ~96 KB, a thread's chunk of tiles a few of them
     weight = _tiled(_weight(64, 32768, "int4", 32, False))
     x = torch.randn(7, 32768)
-    assert _relative_error(kernels.quant_linear(x, weight), _reference(x, weight, None)) < 1e-6
+    assert _relative_error(quant_linear(x, weight), _reference(x, weight, None)) < 1e-6
 
 
 @needs_kernels
@@ -150,10 +152,10 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(kind):
     step's rows equal plain decoding's."""
     weight = _tiled(_weight(96, 256, kind, 32, kind == "int8"))
     x = torch.randn(150, 256)
-    together = kernels.quant_linear(x, weight)
+    together = quant_linear(x, weight)
     for size in (1, 2, 3, 5, 130):
         for start in range(0, 150 - size + 1, size):
-            assert torch.equal(kernels.quant_linear(x[start : start + size], weight), together[start : start + size])
+            assert torch.equal(quant_linear(x[start : start + size], weight), together[start : start + size])
 
 
 @needs_kernels
@@ -165,7 +167,7 @@ def test_a_kernel_lets_other_python_threads_run():
     weight = _tiled(_weight(3072, 576, "int4", 32, False))
     margin = 2 * sys.getswitchinterval()
     x = torch.randn(2048, 576)
-    while _timed(kernels.quant_linear, x, weight) < 8 * margin and len(x) < 65536:
+    while _timed(quant_linear, x, weight) < 8 * margin and len(x) < 65536:
         x = torch.cat([x, x])  # long enough to tell on any CPU
     stamps: list[float] = []
     done = threading.Event()
@@ -179,7 +181,7 @@ def test_a_kernel_lets_other_python_threads_run():
     try:
         time.sleep(0.02)
         start = time.perf_counter()
-        kernels.quant_linear(x, weight)
+        quant_linear(x, weight)
         end = time.perf_counter()
     finally:
         done.set()
@@ -196,12 +198,25 @@ def _timed(call, *args) -> float:
 
 @needs_kernels
 @pytest.mark.parametrize("kind,group,symmetric", FORMATS)
-def test_tiled_weights_past_the_gemv_rows_take_the_bf16_gemm_when_asked(kind, group, symmetric, monkeypatch):
-    monkeypatch.setenv("QUANT_GEMM", "bf16")
+def test_tiled_weights_past_the_gemv_rows_take_the_bf16_gemm_when_asked(kind, group, symmetric):
     weight = _tiled(_weight(256, 512, kind, group, symmetric))
-    x = torch.randn(kernels.GEMV_MAX_ROWS[kind] + 1, 512)
+    weight.gemm_dtype = torch.bfloat16  # QUANT_GEMM=bf16
+    x = torch.randn(GEMV_MAX_ROWS[kind] + 1, 512)
     exact = torch.nn.functional.linear(x.bfloat16(), dequantize(weight).bfloat16()).float()
-    assert torch.equal(kernels.quant_linear(x, weight), exact)
+    assert torch.equal(quant_linear(x, weight), exact)
+
+
+@needs_kernels
+def test_a_weights_gemv_max_rows_moves_the_crossover():
+    """QUANT_GEMV_MAX_ROWS (a weight's `gemv_max_rows`, set at load): past it the rows go to
+    the GEMM (here bf16's, which gives other numbers than the GEMV)."""
+    weight = _weight(200, 384, "int4", 32, False)  # no tiles: the GEMV / GEMM choice applies
+    weight.gemm_dtype = torch.bfloat16
+    x = torch.randn(5, 384)
+    bf16 = torch.nn.functional.linear(x.bfloat16(), dequantize(weight).bfloat16()).float()
+    assert _relative_error(quant_linear(x, weight), _reference(x, weight, None)) < 1e-6  # 5 <= 48: the GEMV
+    weight.gemv_max_rows = 4
+    assert torch.equal(quant_linear(x, weight), bf16)
 
 
 @pytest.mark.parametrize("kind,group,symmetric", FORMATS)
@@ -224,17 +239,16 @@ def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
     assert tile_weight(_weight(6, 256, kind, group, symmetric)) is None  # rows that make no whole tiles
 
 
-def test_a_bad_quant_gemm_is_refused(monkeypatch):
-    monkeypatch.setenv("QUANT_GEMM", "fp8")
+def test_a_bad_quant_gemm_is_refused():
     with pytest.raises(ValueError, match="QUANT_GEMM must be one of float32, bf16"):
-        kernels.gemm_dtype()
+        QuantSpec("int4", gemm="fp8")
 
 
 @pytest.mark.parametrize("kind,group,symmetric", FORMATS)
 def test_fallback_for_other_dtypes_is_the_reference(kind, group, symmetric):
     weight = _weight(48, 256, kind, group, symmetric)
     x = torch.randn(3, 256, dtype=torch.float64)
-    got = kernels.quant_linear(x, weight)
+    got = quant_linear(x, weight)
     assert got.dtype == torch.float64
     assert torch.allclose(got, _reference(x, weight, None), rtol=1e-6, atol=1e-6)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from backend import kernels
 from backend.core.config import EngineConfig
 from backend.runner.convert import source_gguf
 from backend.runner.loader import load_model
-from backend.runner.quant import kernels
 from backend.runner.quant.apply import LINEARS, QuantSpec, quantize_model, resolve_auto, weight_bytes
 from backend.runner.quant.formats import QuantizedWeight, dequantize
 from backend.runner.quant.gguf_blocks import gguf_type, read_gguf_weights
@@ -46,9 +48,9 @@ def test_gguf_types_of_the_formats():
 @pytest.mark.parametrize(
     "spec,from_gguf", [(QuantSpec("int4"), 121), (QuantSpec("int4", 64), 1), (QuantSpec("int8"), 1)]
 )
-def test_the_linears_become_quantized_weights(model_path, spec, from_gguf):
+def test_the_linears_become_quantized_weights(model_path, spec, from_gguf, activations):
     model = load_model(model_path, torch.float32, CPU)
-    used = quantize_model(model, spec, source_gguf(model_path))
+    used = quantize_model(model, replace(spec, activations=activations), source_gguf(model_path))
     assert used == from_gguf  # int4 g32 with zero points: every block from the GGUF; else only its Q8_0 lm_head
     for layer in model.layers:
         for attr in LINEARS:
@@ -81,6 +83,34 @@ def test_settings_from_the_environment(monkeypatch):
     assert (cfg.quant, cfg.quant_group, cfg.quant_symmetric) == ("int8", 64, True)
 
 
+def test_the_matmul_settings_come_from_the_environment(monkeypatch):
+    for name in ("QUANT_ACTIVATIONS", "QUANT_GEMM", "QUANT_GEMV_MAX_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = EngineConfig.from_env("/m")
+    assert (cfg.quant_activations, cfg.quant_gemm, cfg.quant_gemv_max_rows) == ("auto", "float32", None)
+    monkeypatch.setenv("QUANT_ACTIVATIONS", "float32")
+    monkeypatch.setenv("QUANT_GEMM", "bf16")
+    monkeypatch.setenv("QUANT_GEMV_MAX_ROWS", "24")
+    cfg = EngineConfig.from_env("/m")
+    assert (cfg.quant_activations, cfg.quant_gemm, cfg.quant_gemv_max_rows) == ("float32", "bf16", 24)
+
+
+def test_every_weight_carries_the_matmul_settings(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for spec, want in [
+        (QuantSpec("int4", activations="float32"), (None, torch.float32)),  # the defaults: GEMV_MAX_ROWS, float32
+        (QuantSpec("int8", activations="float32", gemm="bf16", gemv_max_rows=24), (24, torch.bfloat16)),
+    ]:
+        model = load_model(tmp_path, torch.float32, CPU)
+        quantize_model(model, spec)
+        weights = [getattr(layer, a) for layer in model.layers for a in LINEARS] + [model.lm_head_q]
+        assert {(w.gemv_max_rows, w.gemm_dtype) for w in weights} == {want}
+
+
 def test_a_bad_quant_is_refused():
     with pytest.raises(ValueError, match="QUANT must be one of none, auto, int8, int4; got 'fp4'"):
         QuantSpec("fp4")
@@ -102,11 +132,13 @@ def test_our_tensor_table_reads_what_the_gguf_package_reads(model_path):
 
 
 @pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")
-def test_logits_come_from_the_int8_lm_head_up_to_its_gemv_rows_and_from_the_float_table_past_them(model_path):
+def test_logits_come_from_the_int8_lm_head_up_to_its_gemv_rows_and_from_the_float_table_past_them(
+    model_path, activations
+):
     from backend.runner.models.llama import LM_HEAD_GEMV_ROWS
 
     model = load_model(model_path, torch.float32, CPU)
-    quantize_model(model, QuantSpec("int4"), source_gguf(model_path))
+    quantize_model(model, QuantSpec("int4", activations=activations), source_gguf(model_path))
     int8_table = dequantize(model.lm_head_q).double()  # [vocab, hidden]
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 13, LM_HEAD_GEMV_ROWS, LM_HEAD_GEMV_ROWS + 1):

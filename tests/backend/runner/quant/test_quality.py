@@ -8,7 +8,7 @@ exactly) give float32's perplexity and 20/20 identical greedy prompts, one strea
 and batched. Symmetric int8 does not hold Q4_1's levels: +0.37% perplexity, 8/20 identical.
 int4 with QUANT_ACTIVATIONS=int8 (llama.cpp's arithmetic, what QUANT_ACTIVATIONS=auto serves the
 default model with): -0.09% perplexity, 1/20 identical. The greedy tests hold float32
-activations (conftest.py), the weight formats' own loss.
+activations (bench.quality's default), the weight formats' own loss.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from backend.runner.quant import kernels
+from backend import kernels
 from bench import quality
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 on this CPU")]
@@ -48,14 +48,13 @@ def test_symmetric_int8_stays_within_one_percent_of_float32_perplexity(model_pat
     assert int8 != base  # symmetric int8 does not hold the Q4_1 levels: it is a real requantization
 
 
-@pytest.mark.skipif("avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.skipif("avx512_vnni" not in kernels.cpu_flags(), reason="no AVX-512 VNNI on this CPU")
 def test_int4_with_int8_activations_loses_no_more_than_llama_cpps_q4_1(model_path):
     """QUANT_ACTIVATIONS=int8 (llama.cpp's own decode arithmetic) on the GGUF's Q4_1 blocks:
     within the +0.14% that llama.cpp's `llama-perplexity` loses on the same file
     (docs/quantization.md; measured -0.09%)."""
     ids = AutoTokenizer.from_pretrained(model_path)(quality.HELDOUT.read_text()).input_ids
     base, _ = quality.perplexity(quality.load(str(model_path), "none"), ids)
-    with quality.activations("int8"):
-        a8, _ = quality.perplexity(quality.load(str(model_path), "int4", 32), ids)
+    a8, _ = quality.perplexity(quality.load(str(model_path), "int4", 32, activations="int8"), ids)
     assert a8 / base - 1 < 0.0014, f"int4 g32 a8: {a8:.4f} vs float32 {base:.4f} (measured -0.09%)"
     assert a8 != base  # the int8 activations' arithmetic, not float32's

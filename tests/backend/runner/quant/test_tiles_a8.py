@@ -8,13 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from backend import kernels
 from backend.runner.loader import load_model
-from backend.runner.quant import kernels
 from backend.runner.quant.apply import LINEARS, QuantSpec, quantize_model
 from backend.runner.quant.formats import dequantize, dequantize_activations, quantize, quantize_activations, tile_weight
+from backend.runner.quant.matmul import activations_for, quant_linear
 
 needs_vnni = pytest.mark.skipif(
-    kernels.native() is None or "avx512_vnni" not in kernels._cpu_flags(), reason="no AVX-512 VNNI on this CPU"
+    kernels.native() is None or "avx512_vnni" not in kernels.cpu_flags(), reason="no AVX-512 VNNI on this CPU"
 )
 
 
@@ -46,7 +47,7 @@ def test_int8_activation_kernel_matches_its_reference(rows, in_features, group, 
     x = torch.randn(rows, in_features, generator=gen)
     x[0, :32] = 0  # an all-zero block
     bias = torch.randn(204, generator=gen) if with_bias else None
-    got = kernels.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     want = _reference(x, weight, bias)
     assert got.shape == (rows, 204)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
@@ -61,42 +62,37 @@ def test_a_weight_without_tiles_keeps_float32_activations():
     assert tile_weight(untiled, "int8") is None
     x = torch.randn(3, 128)
     exact = x.double() @ dequantize(untiled).double().t()
-    assert ((kernels.quant_linear(x, untiled).double() - exact).norm() / exact.norm()).item() < 1e-6
+    assert ((quant_linear(x, untiled).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
-def test_a_bad_or_unusable_setting_is_refused(monkeypatch):
-    monkeypatch.setenv("QUANT_ACTIVATIONS", "int4")
-    kernels.activations.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="QUANT_ACTIVATIONS must be one of auto, float32, int8"):
-            kernels.activations()
-        if "avx512_vnni" in kernels._cpu_flags():
-            monkeypatch.setenv("QUANT_ACTIVATIONS", "int8")
-            kernels.activations.cache_clear()
-            with pytest.raises(ValueError, match="needs int4 or int8 weights and our kernels; QUANT is none"):
-                quantize_model(torch.nn.Module(), QuantSpec("none", 32))
-    finally:
-        kernels.activations.cache_clear()
+def test_a_bad_or_unusable_setting_is_refused():
+    with pytest.raises(ValueError, match="QUANT_ACTIVATIONS must be one of auto, float32, int8"):
+        QuantSpec("none", 32, activations="int4")
+    if "avx512_vnni" in kernels.cpu_flags():
+        with pytest.raises(ValueError, match="needs int4 or int8 weights and our kernels; QUANT is none"):
+            quantize_model(torch.nn.Module(), QuantSpec("none", 32, activations="int8"))
+    else:
+        with pytest.raises(ValueError, match="QUANT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI"):
+            quantize_model(torch.nn.Module(), QuantSpec("int4", 32, activations="int8"))
 
 
 @pytest.mark.parametrize("setting", ["auto", "float32", "int8"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_auto_gives_int4_weights_int8_activations_and_the_tiles_carry_them(use_activations, tmp_path, setting, kind):
+def test_auto_gives_int4_weights_int8_activations_and_the_tiles_carry_them(tmp_path, setting, kind):
     """QUANT_ACTIVATIONS=auto (the default): int8 activations for int4 linears where the CPU
     has VNNI (llama.cpp's arithmetic on Q4_1), float32 for int8 ones; every tile of the
     model, the lm_head's too, is multiplied alike."""
-    vnni = "avx512_vnni" in kernels._cpu_flags()
+    vnni = "avx512_vnni" in kernels.cpu_flags()
     if setting == "int8" and not vnni:
         pytest.skip("no AVX-512 VNNI on this CPU")
-    use_activations(setting)
     want = {"auto": "int8" if kind == "int4" and vnni else "float32"}.get(setting, setting)
-    assert kernels.activations_for(kind) == want
+    assert activations_for(kind, setting) == want
     if kernels.native() is None:
         return
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = load_model(tmp_path, torch.float32, torch.device("cpu"))
-    quantize_model(model, QuantSpec(kind, 32))
+    quantize_model(model, QuantSpec(kind, 32, activations=setting))
     tiles = [getattr(layer, a).tiles for layer in model.layers for a in LINEARS] + [model.lm_head_q.tiles]
     assert {t.activations for t in tiles} == {want}

@@ -1,0 +1,29 @@
+"""Our CPU kernels (AVX-512, the .cpp files here): the quantized matmul's GEMV / dequantize
+(kernels.cpp, tiles.cpp, tiles_a8.cpp), rms_norm, the decode attention (paged_attention.cpp),
+a decoder layer's whole decode step (decode_layer.cpp) and the sampler's first maximum
+(first_max.cpp). build.py compiles them once per machine (`python -m backend.kernels`);
+ops.py holds the wrappers the runner calls. The quantized matmul's choice of path is
+backend/runner/quant/matmul.py's: this package imports nothing of backend.runner.
+bench/quant_kernels.py measures the matmul against PyTorch's own kernels."""
+
+from backend.kernels.build import build_directory, cpu_flags, native
+from backend.kernels.ops import (
+    EMPTY,
+    KV_KERNEL_DTYPES,
+    PAGED_HEAD_DIMS,
+    decode_attention,
+    paged_decode_attention,
+    rms_norm,
+)
+
+__all__ = [
+    "EMPTY",
+    "KV_KERNEL_DTYPES",
+    "PAGED_HEAD_DIMS",
+    "build_directory",
+    "cpu_flags",
+    "decode_attention",
+    "native",
+    "paged_decode_attention",
+    "rms_norm",
+]
