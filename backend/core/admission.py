@@ -1,66 +1,80 @@
-"""The scheduler's admissions (mixed into Scheduler): waiting sequences, in arrival order,
-into the running batch, each with its prefix-cache hits, its adapter's lane and, for a
-translation, its encoder's blocks and tokens in the step's budget. A beam request's
-group is admitted whole (backend.core.beam_scheduling).
+"""Admitting one waiting sequence: `Admission`, a part the Scheduler creates and owns
+(backend.core.scheduler). A sequence is admitted with its prefix-cache hits, its chunk
+of the step's budget, its blocks and, for a translation, its encoder's blocks and tokens
+in the budget; a beam request's group is admitted whole (backend.core.beam_scheduling).
+
+The Scheduler's admission loop keeps what is its own: which waiting sequence is tried
+next (the waiting queue), the adapters' lanes, and ending a sequence that an empty pool
+cannot hold.
 """
 
 from __future__ import annotations
 
-from backend.contract import FinishGuard, FinishReason
-from backend.core.sequence import Sequence, SequenceStatus
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from collections.abc import Callable
+
+from backend.core.beam_scheduling import BeamRows
+from backend.core.vision_scheduling import EncoderBudget
+from backend.kv.block_manager import BlockManager
+from backend.types.sequence import Sequence, SequenceStatus
+from backend.types.step import ScheduledSeq, SchedulerOutput
 
 
 class Admission:
-    """Mixed into the Scheduler: the state it reads is the Scheduler's."""
+    """Admissions into the blocks of `block_manager`, charging images to `encoder` and
+    admitting beam groups through `beams`."""
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit in arrival order; a sequence whose adapter finds no free lane waits
-        (later ones may pass it), one that finds no blocks stops the admissions."""
-        bm = self.block_manager
-        passed: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            rows = seq.beam.rows if seq.beam is not None else [seq]
-            if not all([self._take_lane(row) for row in rows]):
-                for row in rows:
-                    self._drop_lane(row)
-                passed.append(self.waiting.popleft())
-                continue
-            encoding = self._take_encoder(seq, out, budget)
-            admit = self._admit_group if seq.beam is not None else self._admit_one
-            taken = None if encoding is None else admit(seq.beam or seq, out, max(budget - encoding, 1))
-            if taken is None:
-                for row in rows:
-                    self._drop_lane(row)
-                if encoding and seq.encoder is not None:
-                    bm.free_encoder(seq.encoder)
-                if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
-                    self.waiting.popleft()
-                    self._end(seq, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)
-                    continue
-                break
-            self.waiting.popleft()
-            budget = max(budget - encoding, 1) - taken
-        self.waiting.extendleft(reversed(passed))
-        return budget
+    def __init__(self, block_manager: BlockManager, encoder: EncoderBudget, beams: BeamRows):
+        self.block_manager = block_manager
+        self.encoder = encoder
+        self.beams = beams
 
-    def _admit_one(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
-        """Admit a waiting sequence: the step tokens it takes; None: no blocks, nothing changed."""
+    def admit(
+        self,
+        seq: Sequence,
+        out: SchedulerOutput,
+        budget: int,
+        running: list[Sequence],
+        chunk: Callable[[int, int], int],
+    ) -> int | None:
+        """Admit `seq` (its lanes taken) into `running` and the step: the budget it leaves;
+        None: not in this step (no blocks, or its encoder does not fit), nothing changed.
+        `chunk(remaining, budget)`: the tokens an admitted prompt takes (the scheduler's rule)."""
+        encoding = self._take_encoder(seq, out, budget)
+        if encoding is None:
+            return None
+        room = max(budget - encoding, 1)
+        if seq.beam is not None:
+            taken = self.beams.admit(seq.beam, out, room, running)
+        else:
+            taken = self._admit_one(seq, out, room, running, chunk)
+        if taken is None:
+            if encoding and seq.encoder is not None:
+                self.block_manager.free_encoder(seq.encoder)
+            return None
+        return room - taken
+
+    def _admit_one(
+        self,
+        seq: Sequence,
+        out: SchedulerOutput,
+        budget: int,
+        running: list[Sequence],
+        chunk: Callable[[int, int], int],
+    ) -> int | None:
+        """Admit a sequence that is not a beam's: the step tokens it takes; None: no blocks."""
         bm = self.block_manager
         # prompt logprobs need every prompt position computed: no prefix hits
         hits = [] if seq.prompt_logprobs is not None else bm.get_computed_blocks(seq)
         num_hit_tokens = len(hits) * bm.block_size
-        chunk = self._chunk(seq.num_tokens - num_hit_tokens, budget, admitting=True)
-        num_new, encoder_cost = self._fit_vision(seq, num_hit_tokens, chunk)
+        num_new, encoder_cost = self.encoder.fit(seq, num_hit_tokens, chunk(seq.num_tokens - num_hit_tokens, budget))
         if not num_new or not bm.allocate_slots(seq, num_new, hits):
             return None
-        self._charge_encoder(encoder_cost)
+        self.encoder.charge(encoder_cost)
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new))
         return num_new
 
@@ -75,15 +89,3 @@ class Admission:
         if (cost >= budget and out.scheduled) or not self.block_manager.allocate_encoder(encoder):
             return None
         return cost
-
-    def _take_lane(self, seq: Sequence) -> bool:
-        """Whether the sequence can run: no adapter, or its version placed in a lane."""
-        if seq.adapter is None or seq.lora_lane is not None:
-            return True
-        seq.lora_lane = self.lora.acquire(seq.adapter, seq.adapter_weights)
-        return seq.lora_lane is not None
-
-    def _drop_lane(self, seq: Sequence) -> None:
-        if seq.lora_lane is not None:
-            self.lora.release(seq.lora_lane)
-            seq.lora_lane = None

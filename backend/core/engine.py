@@ -14,22 +14,22 @@ from dataclasses import dataclass
 
 from backend.beams.group import BeamGroup
 from backend.contract import ContractError, GenerationRequest, ModelInfo, RequestOutput
-from backend.core.block_manager import BlockManager
-from backend.core.config import EngineConfig
 from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence
 from backend.core.translation import Translation
 from backend.guards.policy import Guards
 from backend.guards.thinking import Markers
 from backend.guards.tools import ToolGuards
+from backend.kv.block_manager import BlockManager
 from backend.lora.peft_format import LoraWeights
 from backend.lora.registry import AdapterRegistry, AdapterVersion
 from backend.runner.model_runner import ModelRunner
 from backend.sampling.grammar import CompiledGrammar
 from backend.sampling.grammar_compiler import GrammarCompiler, GrammarLimits
 from backend.sampling.vocab import Vocabulary, load_tokenizer
+from backend.settings.engine import EngineConfig
 from backend.settings.model_settings import ModelSettings
 from backend.speculation.speculator import SpecStats, Speculator
+from backend.types.sequence import Sequence
 from backend.vision.encoder_cache import EncoderCache
 from backend.vision.state import VisionState
 
@@ -73,6 +73,10 @@ class LLMEngine:
         self.translation = Translation.for_model(mc, self.tokenizer, self.settings)  # None: decoder-only
         # None: MAX_LORAS=0 (no adapters), or a translation model (adapters are for decoder-only models)
         self.adapters = AdapterRegistry.for_engine(config, mc) if self.translation is None else None
+        self.vision = getattr(mc, "vision", None) if self.translation is None else None  # None: text only
+        encoder_cache = EncoderCache(config.encoder_cache_tokens) if self.vision is not None else None
+        if encoder_cache is not None:
+            self.runner.encoder_cache = encoder_cache  # the runner fills it, the scheduler's budget reads it
         self.scheduler = Scheduler(
             self.block_manager,
             self.guards,
@@ -81,11 +85,9 @@ class LLMEngine:
             self.speculator,
             self.runner.lora,
             config.scheduling_policy,
+            encoder_cache=encoder_cache,
+            vision_merge=self.vision.merge_size if self.vision is not None else 0,
         )
-        self.vision = getattr(mc, "vision", None) if self.translation is None else None  # None: text only
-        if self.vision is not None:
-            self.scheduler.encoder_cache = self.runner.encoder_cache = EncoderCache(config.encoder_cache_tokens)
-            self.scheduler.vision_merge = self.vision.merge_size
         self._lora_counts: dict[str, tuple[int, int]] = {}  # lora_requests' names so far
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request
         self._grammars_lock = threading.Lock()

@@ -17,28 +17,37 @@ priority: the lowest priority; backend.core.ordering) is preempted: its blocks a
 freed and it goes back to the front of the queue, to be recomputed (its
 cached prefix blocks usually survive, so the recompute is mostly cache hits). A beam
 request's rows are one unit throughout (backend.core.beam_scheduling).
+
+The Scheduler is built from parts it creates in `__init__` and owns, each handed what it
+uses: the waiting queue and its policy (`WaitingQueue`, backend.core.ordering), admitting
+one sequence (`Admission`, backend.core.admission), the encoder budget (`EncoderBudget`,
+backend.core.vision_scheduling), the beam groups (`BeamRows`, backend.core.beam_scheduling),
+the drafts and sampling of plain sequences (`Verifier`, backend.core.verify). Its own: the
+table of sequences, the running batch, preemption, the adapters' lanes, ending sequences.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import time
 
-from backend.contract import ContractError, FinishGuard, FinishReason, Logprob, RequestOutput
+from backend.contract import ContractError, FinishGuard, FinishReason, RequestOutput
 from backend.core.admission import Admission
-from backend.core.beam_scheduling import BeamScheduling
-from backend.core.block_manager import BlockManager
-from backend.core.ordering import POLICIES, Ordering
-from backend.core.outputs import final_event, token_output
-from backend.core.sequence import Sequence, SequenceStatus
-from backend.core.step import ScheduledSeq, SchedulerOutput, StepResult
-from backend.core.vision_scheduling import VisionScheduling
-from backend.guards.policy import Guards, finish_reason
+from backend.core.beam_scheduling import BeamRows, groups_of
+from backend.core.ordering import WaitingQueue
+from backend.core.outputs import final_event
+from backend.core.verify import Verifier
+from backend.core.vision_scheduling import EncoderBudget
+from backend.guards.policy import Guards
+from backend.kv.block_manager import BlockManager
 from backend.lora.lanes import LoraLanes
 from backend.speculation.speculator import Speculator
+from backend.types.sequence import Sequence, SequenceStatus
+from backend.types.step import ScheduledSeq, SchedulerOutput, StepResult
+from backend.vision.encoder_cache import EncoderCache
 
 
-class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
+class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
@@ -48,22 +57,24 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         speculator: Speculator | None = None,
         lora: LoraLanes | None = None,
         policy: str = "fcfs",
+        encoder_cache: EncoderCache | None = None,
+        vision_merge: int = 0,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"SCHEDULING_POLICY must be one of {POLICIES}, got {policy!r}")
-        self.policy = policy  # the order sequences are served in (backend.core.ordering)
         self.block_manager = block_manager
         self.lora = lora  # the adapters' lanes: a sequence with an adapter runs only while it holds one
         self.guards = guards
-        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.waiting = WaitingQueue(policy)  # in the order sequences are served in (backend.core.ordering)
+        self.running: list[Sequence] = []  # changed in place: the parts are handed this list
         self.num_preemptions = 0
         self._ended: list[Sequence] = []  # finished between steps (abort, deadline): final next update
-        self.block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks (take_block_copies)
+        # a vision-language model's encoder cache and merge size (None and 0: no images)
+        self.encoder = EncoderBudget(max_num_batched_tokens, encoder_cache, vision_merge)
+        self.beams = BeamRows(block_manager, max_num_seqs)
+        self.admission = Admission(block_manager, self.encoder, self.beams)
+        self.verifier = Verifier(guards, speculator, block_manager)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -71,7 +82,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         if seq.request_id in self.requests:
             raise ContractError("request_id", f"{seq.request_id!r} is already in flight")
         self.requests[seq.request_id] = seq
-        self._queue(seq)
+        self.waiting.push(seq)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (abort) comes out of the next update."""
@@ -86,6 +97,10 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
     def request_ids(self) -> list[str]:
         """Every request whose final output has not come out of an update yet."""
         return [*self.requests, *(seq.request_id for seq in self._ended)]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The KV block copies the last update's forks need, to run before the next forward."""
+        return self.beams.take_block_copies()
 
     def _end(self, seq: Sequence, reason: FinishReason, guard: FinishGuard) -> None:
         """Finish outside a step: the final output waits for the next update."""
@@ -112,19 +127,31 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
             return seq.beam.output(final)
         return RequestOutput(seq.request_id, [], final=final)
 
+    def _take_lane(self, seq: Sequence) -> bool:
+        """Whether the sequence can run: no adapter, or its version placed in a lane."""
+        if seq.adapter is None or seq.lora_lane is not None:
+            return True
+        seq.lora_lane = self.lora.acquire(seq.adapter, seq.adapter_weights)
+        return seq.lora_lane is not None
+
+    def _drop_lane(self, seq: Sequence) -> None:
+        if seq.lora_lane is not None:
+            self.lora.release(seq.lora_lane)
+            seq.lora_lane = None
+
     # -- one step: schedule ---------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         now = time.monotonic()
         self._expire_deadlines(now)
         out = SchedulerOutput()
-        self._reset_encoder_budget()
+        self.encoder.reset()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
-        self._order_running()  # for the next step: the policy's order
-        if self.speculator is not None and not out.preempted:
-            self._add_drafts(out, budget)
+        self.waiting.order_running(self.running)  # for the next step: the policy's order
+        if not out.preempted:
+            self.verifier.add_drafts(out, budget)
         self.num_preemptions += len(out.preempted)
         for item in out.scheduled:  # a sequence's queue time ends with its first step
             if item.seq.first_scheduled_time is None:
@@ -141,14 +168,16 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.beam is not None:
-                taken = self._schedule_group(seq.beam, out, budget)
-                if taken is None:
+                taken = self.beams.schedule(seq.beam, out, budget, self._preempt_last)
+                if taken is None:  # making room preempted the group itself
+                    if not self.running:  # alone, and the pool cannot hold it: it ends with what it has
+                        self._end(seq.beam.lead, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)
                     return budget
                 budget -= taken
                 i += len(seq.beam.rows)
                 continue
             start = seq.num_computed_tokens
-            num_new, encoder_cost = self._fit_vision(seq, start, self._chunk(seq.num_tokens - start, budget))
+            num_new, encoder_cost = self.encoder.fit(seq, start, self._chunk(seq.num_tokens - start, budget))
             if not num_new:  # its next image waits for a step with encoder budget
                 i += 1
                 continue
@@ -158,9 +187,36 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
                         self._end(seq, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)  # takes blocks too)
                     return budget
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            self._charge_encoder(encoder_cost)
+            self.encoder.charge(encoder_cost)
             budget -= num_new
             i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit in the queue's order; a sequence whose adapter finds no free lane waits
+        (later ones may pass it), one that finds no blocks stops the admissions."""
+        passed: list[Sequence] = []
+        admitting_chunk = functools.partial(self._chunk, admitting=True)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.first()
+            rows = seq.beam.rows if seq.beam is not None else [seq]
+            if not all([self._take_lane(row) for row in rows]):
+                for row in rows:
+                    self._drop_lane(row)
+                passed.append(self.waiting.pop_first())
+                continue
+            left = self.admission.admit(seq, out, budget, self.running, admitting_chunk)
+            if left is None:
+                for row in rows:
+                    self._drop_lane(row)
+                if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
+                    self.waiting.pop_first()
+                    self._end(seq, FinishReason.LENGTH, FinishGuard.CONTEXT_LENGTH)
+                    continue
+                break
+            self.waiting.pop_first()
+            budget = left
+        self.waiting.put_back(passed)
         return budget
 
     @property
@@ -182,28 +238,17 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         room = budget if admitting else budget - self.shared_chunk
         return max(0, min(remaining, room, self.shared_chunk))
 
-    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Drafts for the sequences that sample this step, from the budget the step left,
-        each where the block pool has room for them (a draft never preempts). Room is made
-        first, since a model proposer writes its own keys there; what a grammar refuses
-        is cut before the verify step."""
-        candidates = [item for item in out.scheduled if item.seq.spec is not None and item.completes]
-        if not candidates or budget <= 0:
-            return
-        limits = [self.speculator.limit(item.seq, budget) for item in candidates]
-        planned = self.speculator.plan([item.seq for item in candidates], limits, out.num_tokens, len(out.completing))
-        wants = []
-        for item, k in zip(candidates, planned, strict=True):
-            k = min(k, budget)
-            if k and self.block_manager.allocate_slots(item.seq, item.num_new_tokens + k):
-                wants.append((item, k))
-                budget -= k
-        if not wants:
-            return
-        proposed = self.speculator.propose([(item.seq, k) for item, k in wants])
-        for (item, _), drafts in zip(wants, proposed, strict=True):
-            item.draft_tokens = self.guards.valid_drafts(item.seq, drafts)
-            item.num_new_tokens += len(item.draft_tokens)
+    def _preempt_last(self, out: SchedulerOutput) -> Sequence:
+        """Preempt the last running sequence, its whole group when it is a beam's row."""
+        victim = self.running.pop()
+        if victim.beam is not None:
+            self.running[:] = [row for row in self.running if row.beam is not victim.beam]
+            self._preempt(victim.beam.lead)
+            out.preempted.append(victim.beam.lead)
+        else:
+            self._preempt(victim)
+            out.preempted.append(victim)
+        return victim
 
     def _preempt(self, seq: Sequence) -> None:
         for row in seq.beam.rows if seq.beam is not None else [seq]:
@@ -214,7 +259,7 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         if seq.encoder is not None:
             self.block_manager.free_encoder(seq.encoder)
         seq.num_preemptions += 1
-        self._queue(seq, front=True)
+        self.waiting.push(seq, front=True)
 
     # -- one step: update from what it computed ---------------------------------
 
@@ -233,76 +278,23 @@ class Scheduler(Admission, BeamScheduling, VisionScheduling, Ordering):
         for seq, start, computed in result.prompt_logprobs:
             del seq.prompt_logprobs[start:]  # a preempted prompt is recomputed from its start
             seq.prompt_logprobs.extend(computed)
-        for item in plan.scheduled:  # drafts are computed, not committed: they wait for _verify
+        for item in plan.scheduled:  # drafts are computed, not committed: they wait for the verifier
             item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_tokens)
         plain = [(item, row) for item, row in completing if item.seq.beam is None]
-        outputs += self._verify(plain, result, now)
+        outputs += self.verifier.verify(plain, result, now, self._finish)
         outputs += self._advance_beams([pair for pair in completing if pair[0].seq.beam is not None], result, now)
         for item in plan.scheduled:
             if not item.seq.is_finished:
                 self.block_manager.cache_full_blocks(item.seq)
         return outputs
 
-    def _verify(self, items: list[tuple[ScheduledSeq, int]], result: StepResult, now: float) -> list[RequestOutput]:
-        """Sample each completing sequence depth by depth: depth d samples the position
-        after its d-th draft with the sequence as it stands (seed index, penalties'
-        history, grammar and guards all past the tokens accepted so far), appends the
-        token, and goes one deeper only when that token is the draft there. So every
-        token is the one plain decoding would have sampled at its position. `items`: the
-        completing sequences and their first logits rows."""
-        completing = [item for item, _ in items]
-        outputs: list[RequestOutput | None] = [None] * len(completing)
-        appended: list[list[int]] = [[] for _ in completing]
-        active, depth = list(range(len(completing))), 0
-        while active:
-            rows = [self.guards.sampling_row(completing[i].seq) for i in active]
-            tokens, logprobs = result.sample([items[i][1] + depth for i in active], rows)
-            still = []
-            for i, token, logprob in zip(active, tokens, logprobs, strict=True):
-                seq, drafts = completing[i].seq, completing[i].draft_tokens
-                out = self._append(seq, token, logprob, now)
-                if outputs[i] is None:
-                    outputs[i] = out
-                else:
-                    outputs[i].absorb(out)
-                appended[i].append(token)
-                if depth < len(drafts) and token == drafts[depth] and not seq.is_finished:
-                    seq.num_computed_tokens += 1  # the draft's KV, written by this step, is now its own
-                    still.append(i)
-            active, depth = still, depth + 1
-        for item, tokens, out in zip(completing, appended, outputs, strict=True):
-            if item.draft_tokens:  # each accepted draft took the loop one deeper
-                self.speculator.verified(item.seq, item.draft_tokens, len(tokens) - 1, tokens)
-            if item.seq.spec is not None:  # a prediction's usage count follows every token
-                self.speculator.emitted(item.seq, tokens)
-            if item.seq.is_finished and out.final is None:  # after the step's accounting
-                out.final = final_event(item.seq, now)
+    def _advance_beams(self, items: list[tuple[ScheduledSeq, int]], result: StepResult, now: float):
+        """Each group whose rows completed this step takes a search step; the ended ones' outputs."""
+        outputs: list[RequestOutput] = []
+        for group, logits_rows in groups_of(items).items():
+            for row in self.beams.advance(group, logits_rows, result, now, self.running):
+                self._take_lane(row)  # the lead's adapter is in a lane already: it cannot fail
+            if group.search.done:
+                self._finish(group.lead, FinishReason.STOP, FinishGuard.EOS)  # the output says how it ended
+                outputs.append(group.output(final_event(group.lead, now)))
         return outputs
-
-    def _append(self, seq: Sequence, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
-        if seq.sampling.max_tokens == 0:  # the prompt is computed: nothing is generated
-            return self._prompt_only(seq, now)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.token_ids.append(token)
-        guard = self.guards.after_token(seq, token)
-        emitted = [token]
-        if guard is not None:
-            reason = finish_reason(guard)
-            if reason is FinishReason.STOP:
-                emitted = []  # a stopping token is counted, not emitted
-            self.block_manager.cache_full_blocks(seq)
-            self._finish(seq, reason, guard)
-        out = token_output(seq, emitted, logprob)
-        if out.prompt_logprobs is not None:
-            seq.prompt_logprobs = None  # sent: a later recompute (preemption) may use the prefix cache
-        return out
-
-    def _prompt_only(self, seq: Sequence, now: float) -> RequestOutput:
-        """max_tokens 0: the step's token is dropped; the final carries the prompt's logprobs."""
-        self.block_manager.cache_full_blocks(seq)
-        self._finish(seq, FinishReason.LENGTH, FinishGuard.MAX_TOKENS)
-        out = token_output(seq, [], None)
-        seq.prompt_logprobs = None
-        out.final = final_event(seq, now)
-        return out

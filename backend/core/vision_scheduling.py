@@ -1,5 +1,6 @@
-"""The scheduler's part for vision requests (mixed into Scheduler): the vision encoder runs
-inside prefill, under a budget of its own per step.
+"""The vision encoder's budget per step: `EncoderBudget`, a part the Scheduler creates and
+owns (backend.core.scheduler). The vision encoder runs inside prefill, under a budget of
+its own per step.
 
 A prompt chunk that reaches an image or video the encoder has not run yet (not in the
 encoder cache) pays its tokens from the step's encoder budget (MAX_NUM_BATCHED_TOKENS
@@ -11,32 +12,36 @@ scheduled whole: backend.core.beam_scheduling).
 
 from __future__ import annotations
 
-from backend.core.sequence import Sequence
+from backend.types.sequence import Sequence
 from backend.vision.encoder_cache import EncoderCache
 
 
-class VisionScheduling:
-    """Mixed into the Scheduler: `encoder_cache` and `vision_merge` are set by the engine
-    for a vision-language model (None and 0 otherwise)."""
+class EncoderBudget:
+    """`tokens` of encoder output per step. `cache` (the encoder cache the runner fills) and
+    `merge_size` (the vision tower's) are a vision-language model's: None and 0 otherwise,
+    and then every chunk fits."""
 
-    encoder_cache: EncoderCache | None = None
-    vision_merge: int = 0
+    def __init__(self, tokens: int, cache: EncoderCache | None = None, merge_size: int = 0):
+        self.tokens = tokens
+        self.cache = cache
+        self.merge_size = merge_size
+        self.left = tokens  # what this step has left
+        self.fresh = True  # no item has run this step: the next one runs however large
 
-    def _reset_encoder_budget(self) -> None:
-        self._encoder_left = self.max_num_batched_tokens
-        self._encoder_fresh = True
+    def reset(self) -> None:
+        """A new step: the whole budget."""
+        self.left = self.tokens
+        self.fresh = True
 
-    def _fit_vision(self, seq: Sequence, start: int, num_new: int) -> tuple[int, int]:
-        """(the tokens of `num_new` from `start` the step's encoder budget lets `seq` compute
-        (all of them for a sequence without images), the encoder tokens they cost): charge
-        the cost (`_charge_encoder`) once the chunk is scheduled."""
-        if seq.vision is None or self.encoder_cache is None or num_new <= 0:
+    def fit(self, seq: Sequence, start: int, num_new: int) -> tuple[int, int]:
+        """(the tokens of `num_new` from `start` the step's budget lets `seq` compute (all of
+        them for a sequence without images), the encoder tokens they cost): `charge` the
+        cost once the chunk is scheduled."""
+        if seq.vision is None or self.cache is None or num_new <= 0:
             return num_new, 0
-        return seq.vision.fit_chunk(
-            start, num_new, self._encoder_left, self._encoder_fresh, self.vision_merge, self.encoder_cache.__contains__
-        )
+        return seq.vision.fit_chunk(start, num_new, self.left, self.fresh, self.merge_size, self.cache.__contains__)
 
-    def _charge_encoder(self, cost: int) -> None:
+    def charge(self, cost: int) -> None:
         if cost:
-            self._encoder_left -= cost
-            self._encoder_fresh = False
+            self.left -= cost
+            self.fresh = False
