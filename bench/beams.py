@@ -49,8 +49,8 @@ def _best(run) -> float:
 def nllb(max_new: int = 32) -> tuple[float, float]:
     from transformers import AutoTokenizer, M2M100ForConditionalGeneration
 
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
     from tests.helpers.beams import beam_request
     from tests.helpers.nllb_models import write_tiny_nllb
 
@@ -72,8 +72,8 @@ def nllb(max_new: int = 32) -> tuple[float, float]:
 def smollm2(model_path: str, prompts: list[list[int]], max_new: int = 32) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
     from tests.helpers.beams import beam_request
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

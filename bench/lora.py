@@ -52,8 +52,8 @@ def _run(engine, prompts, slots: list[int], tokens: int) -> float:
 
 
 def measure(model_path: str, prompts: list[list[int]], streams: int = 32, tokens: int = 64) -> dict[str, float]:
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
 
     folders = write_adapters(model_path, Path("build") / "bench_adapters")
     engine = LLMEngine(EngineConfig(model_path=model_path, enable_prefix_caching=False, max_loras=len(ADAPTERS)))

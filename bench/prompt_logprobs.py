@@ -22,8 +22,8 @@ import httpx
 import torch
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from bench.figures import describe_cpu
 from launcher.layout import default_model_path
 

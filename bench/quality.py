@@ -106,8 +106,8 @@ def greedy_tokens(
     alone: bench.kv_quality measures the cache's), quantized weights times `activations`
     (QUANT_ACTIVATIONS)."""
     from backend.contract import SamplingParams
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
 
     config = EngineConfig(
         model_path=model_path,

@@ -39,7 +39,7 @@ REPLICAS = 3
 # ratio depends on this pressure and on how many families are in use at once: 8
 # conversations at a time put every system prompt in use, as a deployment serving
 # several applications sees it (docs/speed.md "Routing"; earlier runs, in git's history of
-# the README's "Speed of routing": at 4 at a time only half the families were live, round
+# docs/speed.md's routing table: at 4 at a time only half the families were live, round
 # robin's caches held most of those, and the ratio was 1.88x-2.03x; with caches that hold
 # every family everywhere, round robin misses only each instance's first sight of a prompt).
 KV_CACHE_MB = 96

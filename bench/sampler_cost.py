@@ -18,7 +18,8 @@ import time
 import torch
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.sampling.sampler import SamplingRow, sample
+from backend.sampling.sampler import sample
+from backend.types.sampling_row import SamplingRow
 
 ROWS = 32
 HISTORY = 300
@@ -63,8 +64,8 @@ def sampler_step_s(vocab: int, rows: int = ROWS, history: int = HISTORY, repeats
 
 def forward_step_s(model_path: str, rows: int = ROWS, history: int = HISTORY, steps: int = 6) -> tuple[float, int]:
     """(median seconds of one decode step of the engine with `rows` sequences, vocabulary size)."""
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
 
     config = EngineConfig(model_path=model_path, enable_prefix_caching=False, max_num_batched_tokens=rows * history)
     engine = LLMEngine(config)

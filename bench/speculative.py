@@ -138,8 +138,8 @@ def run(engine, requests, disable_mtp: bool) -> Run:
 def measure(model_path: str) -> dict[str, dict[str, dict]]:
     from transformers import AutoTokenizer
 
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
+    from backend.settings.engine import EngineConfig
     from tests.helpers.spec_models import build_truncated_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -23,8 +23,8 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 
 DEFAULT_MODEL = Path.home() / ".cache/tritonllm/models/SmolLM2-135M-Instruct"
 # quant_linear: QUANT's matmuls; decode_layer: a fused decode step's whole layer (its matmuls and

@@ -99,9 +99,9 @@ def bench_transformers(model_path: str, prompt: list[int], tokens: int) -> float
 def bench_engine(model_path: str, prompts: list[list[int]], streams: int, tokens: int, fmt: str) -> tuple[float, int]:
     """In-process engine with `fmt` (a --formats entry): (tokens/s, weight bytes read per
     token). One stream: decode rate; more: aggregate."""
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
     from backend.runner.quant.apply import weight_bytes
+    from backend.settings.engine import EngineConfig
 
     quant, kv_cache_dtype, activations = split_format(fmt)
     config = EngineConfig(model_path=model_path, enable_prefix_caching=False, quant=quant,

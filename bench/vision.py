@@ -73,9 +73,9 @@ def _theirs(hf, inputs) -> float:
 def main() -> dict[str, tuple[float, float]]:
     from transformers import Qwen2VLForConditionalGeneration
 
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
     from backend.runner.convert import ensure_default_model
+    from backend.settings.engine import EngineConfig
     from tests.helpers.vlm_models import write_tiny_qwen2_vl
 
     print(f"vision prefill: {STREAMS} prompts with a {SIDE}x{SIDE} picture each vs transformers one by one ...",

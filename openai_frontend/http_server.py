@@ -70,7 +70,7 @@ REFUSAL = _connection_refusal()
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
-    """The HTTP server's bounds: the HTTP_<FIELD NAME> environment variables (README), as
+    """The HTTP server's bounds: the HTTP_<FIELD NAME> environment variables (docs/configuration.md), as
     openai_frontend/settings.py passes them to `from_env`."""
 
     header_timeout_s: float = 10.0

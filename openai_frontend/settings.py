@@ -5,7 +5,7 @@ variable the frontend reads, each with its sub-settings' own parser, and the app
 made from the result (app.py's `create_app`); nothing below it reads the environment.
 A `Settings` made directly holds the defaults: what an empty environment gives.
 
-What it reads (README): DUMP_DIR (when --dump is not given), HTTP_* (http_server.py),
+What it reads (docs/configuration.md): DUMP_DIR (when --dump is not given), HTTP_* (http_server.py),
 CHAT_TEMPLATE_TIMEOUT_S and CHAT_TEMPLATE_MAX_CHARS (generation/chat_template.py),
 SSE_KEEPALIVE_S (seconds: a silent beam search stream's keep-alive comment), the media
 limits (media/settings.py), API_KEYS and API_KEYS_FILE (operations/auth.py), the limits

@@ -31,8 +31,8 @@ import torch
 
 from backend.beams.search import BeamSearch, BeamStep
 from backend.contract import FinalEvent, FinishGuard, FinishReason, Logprob, RequestOutput
-from backend.core.block_manager import BlockManager
-from backend.core.sequence import Sequence
+from backend.kv.block_manager import BlockManager
+from backend.types.sequence import Sequence
 
 
 @dataclass(eq=False)

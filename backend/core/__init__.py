@@ -1,2 +1,3 @@
-"""The engine core: `LLMEngine`, the scheduler that owns each sequence's lifecycle, the
-sequences, the KV block pool with its prefix cache, and the engine's config."""
+"""The engine core: `LLMEngine`, and the scheduler that owns each sequence's lifecycle
+(its waiting queue, admission, the encoder budget and the beam rows). It drives the
+runner, the sampler, the guards, speculation, LoRA and beams; none of them imports it."""

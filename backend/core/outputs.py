@@ -9,8 +9,8 @@ with it.
 from __future__ import annotations
 
 from backend.contract import FinalEvent, Logprob, RequestOutput
-from backend.core.sequence import Sequence
 from backend.speculation.speculator import prediction_counts
+from backend.types.sequence import Sequence
 
 
 def token_output(seq: Sequence, emitted: list[int], logprob: Logprob | None) -> RequestOutput:

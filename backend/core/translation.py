@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 
 from backend.contract import ContractError, GenerationRequest
-from backend.core.sequence import EncoderState
 from backend.settings.model_settings import ModelSettings
+from backend.types.sequence import EncoderState
 
 FLORES_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
 

@@ -14,27 +14,7 @@ before them, which chains the last k * p tokens into copies of one p-token block
 
 from __future__ import annotations
 
-from backend.contract import ContractError
-
-
-def check_loop_settings(min_pattern_size: int, max_pattern_size: int, min_count: int) -> None:
-    """Raise ContractError naming the first bad field (contract input names)."""
-    for field, value in (
-        ("loop_min_pattern_size", min_pattern_size),
-        ("loop_max_pattern_size", max_pattern_size),
-        ("loop_min_count", min_count),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ContractError(field, f"must be an integer, got {value!r}")
-    if min_pattern_size < 1:
-        raise ContractError("loop_min_pattern_size", f"must be >= 1, got {min_pattern_size}")
-    if max_pattern_size < min_pattern_size:
-        raise ContractError(
-            "loop_max_pattern_size",
-            f"must be >= loop_min_pattern_size ({min_pattern_size}), got {max_pattern_size}",
-        )
-    if min_count < 2:
-        raise ContractError("loop_min_count", f"must be >= 2 (one occurrence is no loop), got {min_count}")
+from backend.settings.model_settings import check_loop_settings
 
 
 class LoopDetector:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from backend.contract import FinishGuard, FinishReason, GenerationRequest, SamplingParams
 from backend.guards.thinking import LoopLimits, Markers, PhaseGuard
 from backend.guards.tools import ToolGuards
-from backend.sampling.sampler import SamplingRow
 from backend.settings.model_settings import ModelSettings
+from backend.types.sampling_row import SamplingRow
 
 if TYPE_CHECKING:
-    from backend.core.sequence import Sequence
     from backend.sampling.grammar import CompiledGrammar, GrammarState
+    from backend.types.sequence import Sequence
 
 _STOPPING = (FinishGuard.EOS, FinishGuard.STOP_TOKEN)
 

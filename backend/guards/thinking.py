@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backend.contract import FinishGuard, GuardParams
-from backend.guards.loops import LoopDetector, check_loop_settings
-from backend.settings.model_settings import GuardSettings, ReasoningSettings
+from backend.guards.loops import LoopDetector
+from backend.settings.model_settings import GuardSettings, ReasoningSettings, check_loop_settings
 
 PROMPT_TAIL = 16  # tokens of the prompt's end searched for an opened thinking block
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from backend.contract import GuardParams
 
 if TYPE_CHECKING:
-    from backend.core.sequence import Sequence
+    from backend.types.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import torch
 from backend.lora.batch import GROUPS, MASKED_MAX_ROWS, GroupWeights, LaneWeights, LoraBatch, LoraSegment
 from backend.lora.peft_format import LoraWeights, projection_shape
 from backend.lora.registry import AdapterVersion
-from backend.runner.models.llama import ModelConfig
+from backend.types.model_config import ModelConfig
 
 
 @dataclass(eq=False, slots=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from backend.contract import ContractError
-from backend.runner.models.llama import ModelConfig
+from backend.types.model_config import ModelConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR = re.compile(

@@ -26,7 +26,7 @@ from backend.contract import (
     ContractError,
 )
 from backend.lora.peft_format import LoraWeights, folder_digest, largest_adapter_bytes, read_adapter
-from backend.runner.models.llama import ModelConfig
+from backend.types.model_config import ModelConfig
 
 
 @dataclass(eq=False, slots=True)

@@ -20,8 +20,9 @@ import torch
 from backend.runner import huge_pages
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.loader import load_model
-from backend.runner.models.llama import LlamaForCausalLM, ModelConfig
+from backend.runner.models.llama import LlamaForCausalLM
 from backend.sampling.vocab import load_tokenizer
+from backend.types.model_config import ModelConfig
 
 
 def allocate_kv(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device) -> list:

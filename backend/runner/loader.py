@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from backend.contract.vision import VisionInfo
 from backend.runner.convert import source_gguf
-from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
+from backend.runner.models.llama import LlamaForCausalLM
 from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
 from backend.runner.models.qwen2_5_vl_vision import Qwen2_5VisionEncoder
 from backend.runner.models.qwen2_vl_vision import Qwen2VisionEncoder, is_vision_weight, strip_vision_prefix
 from backend.runner.quant.apply import QuantSpec, quantize_model, resolve_auto
+from backend.runner.weights import eos_token_ids, iter_weights, weight_files
+from backend.types.model_config import ModelConfig, RopeConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -80,7 +80,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
         o_proj_bias=attention_bias and not qwen2,
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_windows=_sliding_windows(raw, arch),
-        eos_token_ids=_eos_token_ids(folder, raw),
+        eos_token_ids=eos_token_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
         num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
         mrope_section=_mrope_section(raw, arch),
@@ -111,7 +111,7 @@ def load_model(
     vision_weights: dict[str, torch.Tensor] = {}
 
     def trunk():
-        for name, tensor in _iter_weights(_weight_files(folder)):
+        for name, tensor in iter_weights(weight_files(folder)):
             if cfg.num_mtp_layers and name.startswith(_MTP_PREFIX):
                 mtp_weights.append((name, tensor))
             elif cfg.vision is not None and is_vision_weight(name):
@@ -220,35 +220,3 @@ def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
         first_sliding = raw.get("max_window_layers", num_layers)
         layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-
-
-def _eos_token_ids(folder: Path, raw: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [raw]
-    gen_path = folder / "generation_config.json"
-    if gen_path.exists():
-        sources.append(json.loads(gen_path.read_text()))
-    for source in sources:
-        eos = source.get("eos_token_id")
-        for token in eos if isinstance(eos, list) else [eos]:
-            if token is not None and token not in ids:
-                ids.append(token)
-    return tuple(ids)
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {folder}")
-    return files
-
-
-def _iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

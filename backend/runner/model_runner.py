@@ -12,8 +12,6 @@ from functools import partial
 
 import torch
 
-from backend.core.config import EngineConfig
-from backend.core.step import ScheduledSeq, StepResult
 from backend.lora.lanes import LoraLanes, lora_batch
 from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv_block_bytes
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
@@ -22,7 +20,10 @@ from backend.runner.models.m2m100_cross import CrossPlan, build_cross_plan, cros
 from backend.runner.quant.apply import QuantSpec
 from backend.runner.vision_inputs import mrope_ids, vision_embeds
 from backend.sampling import logprobs as lp
-from backend.sampling.sampler import SamplingRow, sample
+from backend.sampling.sampler import sample
+from backend.settings.engine import EngineConfig
+from backend.types.sampling_row import SamplingRow
+from backend.types.step import ScheduledSeq, StepResult
 from backend.vision.encoder_cache import EncoderCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,8 +55,8 @@ def check_kv_cache_dtype(config: EngineConfig) -> None:
 
 def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device, quantized: bool) -> torch.dtype:
     """The KV cache's element type. auto: float16 where the decoder's weights run in our
-    quantized CPU kernels (llama.cpp's default cache too; perplexity within 0.01%, README
-    "The KV cache in float16"), else the model's dtype; float16 and float32 as named."""
+    quantized CPU kernels (llama.cpp's default cache too; perplexity within 0.01%:
+    docs/kv-cache.md), else the model's dtype; float16 and float32 as named."""
     check_kv_cache_dtype(config)
     if config.kv_cache_dtype == "auto":
         return torch.float16 if quantized and device.type == "cpu" else dtype

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from backend.contract.vision import VisionItem
-from backend.core.step import ScheduledSeq
+from backend.types.step import ScheduledSeq
 from backend.vision.encoder_cache import EncoderCache
 
 

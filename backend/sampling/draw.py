@@ -14,7 +14,7 @@ import torch
 from backend.kernels import native
 
 if TYPE_CHECKING:
-    from backend.sampling.sampler import SamplingRow
+    from backend.types.sampling_row import SamplingRow
 
 _MASK64 = (1 << 64) - 1
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from backend.contract import Logprob
-from backend.core.sequence import Sequence
-from backend.core.step import ScheduledSeq
-from backend.sampling.sampler import SamplingRow
+from backend.types.sampling_row import SamplingRow
+from backend.types.sequence import Sequence
+from backend.types.step import ScheduledSeq
 
 _PROMPT_ROWS_PER_CHUNK = 256  # [rows, vocab] float32 per chunk: 256 x 49k = 50 MB
 

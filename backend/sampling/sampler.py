@@ -37,9 +37,6 @@ feature skips it entirely.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -47,28 +44,7 @@ from backend.contract import SamplingParams
 from backend.sampling.draw import draw, first_max
 from backend.sampling.grammar import apply_grammar_masks
 from backend.sampling.repeats import dry_penalties, lz_penalties
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one row of the batch."""
-
-    params: SamplingParams
-    num_output_tokens: int  # tokens the request has produced before this draw
-    banned_until_min: tuple[int, ...]  # EOS + stop tokens, masked while below min_tokens
-    # prompt + output tokens so far (the last num_output_tokens are output); read only
-    # when params.uses_penalties, so penalty-free rows may leave it empty
-    token_ids: Sequence[int] = ()
-    # tokens the engine's guards mask this step (a required tool call not yet opened
-    # masks EOS; a suppressed call masks the token completing its trigger)
-    masked: tuple[int, ...] = ()
-    # the row's grammar state (backend.sampling.grammar.GrammarState): only tokens it accepts
-    grammar: Any = None
-    # a token the engine forces (a thinking marker): drawn whatever the logits say
-    forced: int | None = None
-    # DRY's sequence breakers as token ids (the tokens whose text holds a breaker string)
-    dry_breaker_ids: tuple[int, ...] = ()
-
+from backend.types.sampling_row import SamplingRow
 
 # ---------------------------------------------------------------------------
 # logits processors: in place on [B, V] float32 logits

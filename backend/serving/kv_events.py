@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from backend.core.block_manager import KVEvent, KVEventKind
+from backend.kv.block_manager import KVEvent, KVEventKind
 
 ENV = "KV_EVENTS_ENDPOINT"
 

@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from backend.contract import EARLY_STOPPING, ContractError
-from backend.guards.loops import check_loop_settings
 
 MODEL_SETTINGS_FILE = "MODEL.toml"
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -242,3 +241,23 @@ def _check_values(settings: ModelSettings, path: Path) -> None:
             check_loop_settings(guards.loop_min_pattern_size, guards.loop_max_pattern_size, guards.loop_min_count)
         except ContractError as error:
             raise ValueError(f"{path}: guards.{error.field}: {error.message}") from error
+
+
+def check_loop_settings(min_pattern_size: int, max_pattern_size: int, min_count: int) -> None:
+    """Raise ContractError naming the first bad field (contract input names)."""
+    for name, value in (
+        ("loop_min_pattern_size", min_pattern_size),
+        ("loop_max_pattern_size", max_pattern_size),
+        ("loop_min_count", min_count),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ContractError(name, f"must be an integer, got {value!r}")
+    if min_pattern_size < 1:
+        raise ContractError("loop_min_pattern_size", f"must be >= 1, got {min_pattern_size}")
+    if max_pattern_size < min_pattern_size:
+        raise ContractError(
+            "loop_max_pattern_size",
+            f"must be >= loop_min_pattern_size ({min_pattern_size}), got {max_pattern_size}",
+        )
+    if min_count < 2:
+        raise ContractError("loop_min_count", f"must be >= 2 (one occurrence is no loop), got {min_count}")

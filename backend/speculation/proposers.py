@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-Want = tuple[Any, int]  # (a backend.core.sequence.Sequence, in seq.spec its SpecState; k)
+Want = tuple[Any, int]  # (a backend.types.sequence.Sequence, in seq.spec its SpecState; k)
 
 
 class Proposer(Protocol):

@@ -1,5 +1,5 @@
 """Model implementations: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM)."""
 
-from backend.runner.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig
+from backend.runner.models.llama import LlamaForCausalLM
 
-__all__ = ["LlamaForCausalLM", "ModelConfig", "RopeConfig"]
+__all__ = ["LlamaForCausalLM"]

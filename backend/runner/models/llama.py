@@ -7,9 +7,7 @@ fixed number of torch dispatches per layer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,12 +24,13 @@ from backend.runner.attention import (
     paged_kv,
 )
 from backend.runner.forward_batch import ForwardBatch
+from backend.runner.models.rope import rope_inv_freq
 from backend.runner.quant.formats import QuantizedWeight
 from backend.runner.quant.matmul import quant_linear
+from backend.types.model_config import ModelConfig
 from backend.vision.mrope import mrope_cos_sin
 
 if TYPE_CHECKING:
-    from backend.contract.vision import VisionInfo
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
@@ -42,67 +41,6 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 # 26.8, 48 rows 22.3 / 29.4 (quant_linear's int8 limit of 12 rows is for the decoder's shapes,
 # where the other path is a dequantize then a GEMM).
 LM_HEAD_GEMV_ROWS = 48
-
-
-@dataclass(slots=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default", "linear" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 only
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v
-    o_proj_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
-    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means no window anywhere
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    num_mtp_layers: int = 0  # MiMo's model.mtp_layers (backend/runner/models/mtp.py)
-    # Qwen2-VL's M-RoPE: frequency pairs per (t, h, w) row (backend/vision/mrope.py); empty: 1-D RoPE
-    mrope_section: tuple[int, ...] = ()
-    vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], computed as transformers does (float32)."""
-    rope, dim = cfg.rope, cfg.head_dim
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope, cfg.max_position_embeddings)
-    return inv_freq
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the middle band
-    # interpolated smoothly between the two.
-    old_len = rope.original_max_position_embeddings or max_positions
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from backend.runner.weights import eos_token_ids, iter_weights, weight_files
+
 ARCHITECTURE = "M2M100ForConditionalGeneration"
 
 
@@ -51,7 +53,6 @@ class M2M100Config:
 
     @classmethod
     def load(cls, folder: str | Path) -> M2M100Config:
-        from backend.runner.loader import _eos_token_ids  # here: the loader imports this module
 
         raw = json.loads((Path(folder) / "config.json").read_text())
         named = raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == ARCHITECTURE
@@ -70,7 +71,7 @@ class M2M100Config:
             decoder_heads=raw["decoder_attention_heads"],
             decoder_ffn_dim=raw["decoder_ffn_dim"],
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_eos_token_ids(Path(folder), raw),
+            eos_token_ids=eos_token_ids(Path(folder), raw),
             decoder_start_token_id=raw.get("decoder_start_token_id", 2),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
@@ -151,12 +152,11 @@ class M2M100Encoder(torch.nn.Module):
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> M2M100Encoder:
-        from backend.runner.loader import _iter_weights, _weight_files  # here: the loader imports this module
 
         cfg = M2M100Config.load(folder)
         weights = {
             name: tensor.to(dtype)
-            for name, tensor in _iter_weights(_weight_files(Path(folder)))
+            for name, tensor in iter_weights(weight_files(Path(folder)))
             if is_encoder_weight(name) or name == "model.shared.weight"
         }
         return cls(cfg, weights)

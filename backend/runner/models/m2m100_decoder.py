@@ -30,6 +30,7 @@ from backend.runner.forward_batch import ForwardBatch
 from backend.runner.models.llama import copy_weights, empty_param, linear
 from backend.runner.models.m2m100 import M2M100Config, M2M100Encoder, SinusoidalPositions, is_encoder_weight
 from backend.runner.models.m2m100_cross import CrossPlan, cross_attention
+from backend.runner.weights import iter_weights, weight_files
 
 LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which M2M100 keeps
 _EMBEDDING_NAMES = ("model.shared.weight", "model.decoder.embed_tokens.weight", "model.encoder.embed_tokens.weight")
@@ -120,14 +121,13 @@ class M2M100ForTranslation(torch.nn.Module):
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        from backend.runner.loader import _iter_weights, _weight_files  # here: the loader imports this module
 
-        files = _weight_files(Path(folder))
+        files = weight_files(Path(folder))
         cfg = M2M100Config.load(folder)
         if not any("lm_head.weight" in _names(file) for file in files):  # then lm_head is the embedding
             cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
         model = cls(cfg, dtype, torch.device(device))
-        model.load_weights(_iter_weights(files))
+        model.load_weights(iter_weights(files))
         return model.eval()
 
     def embedding(self) -> torch.Tensor:

@@ -27,12 +27,12 @@ from backend.runner.forward_batch import ForwardBatch
 from backend.runner.models.llama import (
     DecoderLayer,
     LlamaForCausalLM,
-    ModelConfig,
     copy_weights,
     empty_param,
     layer_targets,
     linear,
 )
+from backend.types.model_config import ModelConfig
 
 
 class MtpLayer(torch.nn.Module):

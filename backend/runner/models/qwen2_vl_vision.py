@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from backend.runner.weights import weight_files
+
 PREFIXES = ("model.visual.", "visual.")  # transformers 5 may save either; released checkpoints: visual.*
 _NORM_EPS = 1e-6
 _ACTIVATIONS = {
@@ -164,10 +166,9 @@ class Qwen2VisionEncoder(torch.nn.Module):
     def load(
         cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> Qwen2VisionEncoder:
-        from backend.runner.loader import _weight_files  # here: the loader may import this module
 
         weights = {}
-        for file in _weight_files(Path(folder)):
+        for file in weight_files(Path(folder)):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in filter(is_vision_weight, f.keys()):
                     weights[strip_vision_prefix(name)] = f.get_tensor(name).to(device=device, dtype=dtype)

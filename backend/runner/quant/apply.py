@@ -51,7 +51,7 @@ class QuantSpec:
 def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, gguf_file: Path | None) -> QuantSpec:
     """QUANT=auto: where the model folder was converted from a GGUF file whose decoder linears
     are in a block format we serve (the default model: Q4_1), that format, read from the
-    file as it is: float32's numbers from a fraction of the bytes (README "Quantization").
+    file as it is: float32's numbers from a fraction of the bytes (docs/quantization.md).
     Otherwise none: auto never requantizes a float checkpoint (QUANT=int8 does, within 1%
     perplexity), nor runs where our kernels cannot (a GPU, no AVX-512, bf16 weights)."""
     if spec.kind != "auto":

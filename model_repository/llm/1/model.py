@@ -37,7 +37,6 @@ if _SOURCE_ROOT not in sys.path:
     sys.path.insert(0, _SOURCE_ROOT)
 
 from backend import contract  # noqa: E402
-from backend.core.config import EngineConfig  # noqa: E402
 from backend.core.engine import LLMEngine  # noqa: E402
 from backend.serving.drain import install_drain_handler  # noqa: E402
 from backend.serving.engine_thread import EngineThread  # noqa: E402
@@ -45,6 +44,7 @@ from backend.serving.gauges import Gauges  # noqa: E402
 from backend.serving.kv_events import KvEventSink  # noqa: E402
 from backend.serving.live import LiveRequests  # noqa: E402
 from backend.serving.sender import SenderLoop  # noqa: E402
+from backend.settings.engine import EngineConfig  # noqa: E402
 
 log = logging.getLogger("llm")
 
@@ -56,7 +56,7 @@ class TritonPythonModel:
         _check_numpy_abi()
         config = EngineConfig.from_env(os.environ.get("LLM_MODEL_PATH"))
         self._live = LiveRequests()
-        kv_events = KvEventSink.from_env(os.environ, config.block_size)  # for a KV-aware router (README: Replicas)
+        kv_events = KvEventSink.from_env(os.environ, config.block_size)  # for a KV-aware router (docs/replicas.md)
         self._engine = EngineThread(lambda: LLMEngine(config), self._live.push, self._live.fail, kv_events=kv_events)
         self._ids = itertools.count()
         self._draining = threading.Event()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from backend.contract import EARLY_STOPPING, FinishReason, GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from tests.helpers.beams import beam_request, generate_beams, run_outputs
 
 EOS = 2

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from backend.contract import FinishReason
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.convert import ensure_default_model
+from backend.settings.engine import EngineConfig
 from tests.helpers.beams import beam_request, generate_beams, run_outputs
 
 CONFIGS = [(4, 4, 1.0, "false"), (2, 2, 0.6, "true"), (5, 3, 2.0, "never")]  # num_beams, n, length_penalty, rule

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from backend.contract import EARLY_STOPPING, ContractError, FinishReason, GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from tests.helpers.beams import beam_request, run_outputs
 from tests.helpers.nllb_models import write_tiny_nllb
 

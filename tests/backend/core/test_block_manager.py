@@ -1,11 +1,11 @@
 """The KV block pool and prefix cache: exact block ids, ref counts, eviction order."""
 
 from backend.contract import GenerationRequest
-from backend.core.block_manager import BlockManager, KVEventKind
-from backend.core.sequence import Sequence
 from backend.guards.policy import GuardState
 from backend.guards.thinking import Markers, PhaseGuard
+from backend.kv.block_manager import BlockManager, KVEventKind
 from backend.lora.registry import AdapterVersion
+from backend.types.sequence import Sequence
 
 BS = 4
 

@@ -8,9 +8,9 @@ itself with transformers is in test_model_forward.py.
 import pytest
 
 from backend.contract import ContractError, FinishGuard, FinishReason, GenerationRequest, GuardParams, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.convert import ensure_default_model
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain English.\n"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from backend.contract import ContractError, GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 from tests.helpers.lora_models import write_tiny_llama
 

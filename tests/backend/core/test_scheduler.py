@@ -4,14 +4,14 @@ and the lifecycle the scheduler owns (add, update, abort)."""
 import pytest
 
 from backend.contract import ContractError, FinishGuard, FinishReason, GenerationRequest
-from backend.core.block_manager import BlockManager
 from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence, SequenceStatus
-from backend.core.step import StepResult
 from backend.guards.policy import Guards, GuardState
 from backend.guards.thinking import Markers, PhaseGuard
 from backend.guards.tools import ToolGuards
+from backend.kv.block_manager import BlockManager
 from backend.settings.model_settings import ModelSettings
+from backend.types.sequence import Sequence, SequenceStatus
+from backend.types.step import StepResult
 
 BS = 4
 EOS = 0  # never the token run_step samples

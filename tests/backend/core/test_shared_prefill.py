@@ -10,9 +10,9 @@ import random
 import pytest
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.convert import ensure_default_model
+from backend.settings.engine import EngineConfig
 
 BUDGET = 64  # shared_chunk 16
 LONG = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)

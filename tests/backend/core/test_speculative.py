@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from backend.contract import FinishReason, GenerationRequest, GuardParams, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from backend.speculation.proposers import TokenLookup
 from tests.helpers.engine_runs import run_to_completion
 

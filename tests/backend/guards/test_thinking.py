@@ -22,8 +22,8 @@ from backend.contract import (
     GuardParams,
     SamplingParams,
 )
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 
 THINK_END = 49153

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from backend.contract import AdapterNotFound, GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.lora.batch import LoraBatch
 from backend.lora.lanes import lane_weights
 from backend.runner.drafters import allocate_kv
 from backend.runner.forward_batch import Span, build_forward_batch
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 from tests.helpers.lora_models import peft_greedy, peft_model, write_adapter, write_tiny_llama
 

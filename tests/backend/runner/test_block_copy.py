@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.core.config import EngineConfig
 from backend.runner.model_runner import ModelRunner
+from backend.settings.engine import EngineConfig
 from tests.helpers.lora_models import write_tiny_llama
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from backend.contract import SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.model_runner import ModelRunner
+from backend.settings.engine import EngineConfig
 
 QUESTIONS = ["Name a bird that cannot fly.", "Why is ice slippery?", "Give me a word that rhymes with moon.",
              "What is 12 times 11?"]  # fmt: skip

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.runner.convert import COMPLETE_MARKER, default_model_path
+from backend.settings.engine import EngineConfig
 from backend.settings.model_settings import ModelSettings, ReasoningSettings
 from openai_frontend.generation.detokenizer import make_decode
 from tests.helpers.thinking_model import BUILD_VERSION, build_thinking_model

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from backend.contract import GenerationRequest, RequestOutput, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.convert import ensure_default_model
+from backend.settings.engine import EngineConfig
 
 PROMPT = "You are a careful assistant.\nQuestion: why is the sky blue?\nAnswer:"
 TOL = 1e-3

@@ -12,13 +12,13 @@ from backend.contract import ContractError, GenerationRequest, SamplingParams
 from backend.sampling.draw import filtered_probs, seed_for_token
 from backend.sampling.repeats import DRY_WINDOW, LZ_WINDOW, MAX_REPEAT, longest_repeats
 from backend.sampling.sampler import (
-    SamplingRow,
     apply_logit_bias,
     apply_penalties,
     apply_repeat_penalties,
     sample,
     token_counts,
 )
+from backend.types.sampling_row import SamplingRow
 
 
 def reference_probs(

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from backend.contract import GenerationRequest, SamplingParams
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
 from backend.runner.forward_batch import Span, build_forward_batch
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 from tests.helpers.spec_models import build_mimo_model, build_truncated_model
 

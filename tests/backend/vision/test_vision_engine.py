@@ -12,8 +12,8 @@ import torch
 
 from backend.contract import ContractError, GenerationRequest, SamplingParams
 from backend.contract.vision import VisionItem
-from backend.core.config import EngineConfig
 from backend.core.engine import LLMEngine
+from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 from tests.helpers.vlm_models import vision_token_ids, write_tiny_qwen2_5_vl, write_tiny_qwen2_vl
 

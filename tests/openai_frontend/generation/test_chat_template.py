@@ -34,7 +34,7 @@ FEATURES_TEMPLATE = """{{ bos_token }}{% set ns = namespace(system=none, turns=0
 {% endfor %}{% if ns.system %}(system: {{ ns.system }}){% endif %}
 {%- if tools %}TOOLS {{ tools | tojson }} {{ dict(n=tools | length) | tojson }}{% endif %}
 {%- if mood is defined %}mood={{ mood }}{% endif %}
-{%- if add_generation_prompt %}[ASSISTANT]{% endif %}{{ eos_token if date_string is defined else '' }}"""
+{%- if add_generation_prompt %}[ASSISTANT]{% endif %}{{ eos_token if date_string is defined else '' }}"""  # noqa: E501
 
 CONVERSATIONS = {
     "one user turn": [{"role": "user", "content": "Hello there"}],

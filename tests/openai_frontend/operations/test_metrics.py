@@ -229,9 +229,9 @@ def test_a_stream_cut_by_a_stop_string_is_timed_by_the_frontend(tokenization):
 def test_engine_reports_queue_time_and_running_waiting():
     """With one sequence at a time, the second request queues for the whole first one."""
     from backend.contract import SamplingParams
-    from backend.core.config import EngineConfig
     from backend.core.engine import LLMEngine
     from backend.runner.convert import ensure_default_model
+    from backend.settings.engine import EngineConfig
 
     engine = LLMEngine(EngineConfig(model_path=str(ensure_default_model()), max_num_seqs=1))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

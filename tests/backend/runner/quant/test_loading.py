@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from backend import kernels
-from backend.core.config import EngineConfig
 from backend.runner.convert import source_gguf
 from backend.runner.loader import load_model
 from backend.runner.quant.apply import LINEARS, QuantSpec, quantize_model, resolve_auto, weight_bytes
 from backend.runner.quant.formats import QuantizedWeight, dequantize
 from backend.runner.quant.gguf_blocks import gguf_type, read_gguf_weights
+from backend.settings.engine import EngineConfig
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.contract import Logprob
-from backend.core.sequence import Sequence
+from backend.types.sequence import Sequence
 
 # (logits rows, their sampling rows) -> (a token per row, its logprob when the row asks)
 Sample = Callable[[list[int], list[Any]], tuple[list[int], list[Logprob | None]]]

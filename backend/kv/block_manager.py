@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from backend.contract.routing import routing_scope
-from backend.core.sequence import EncoderState, Sequence
+from backend.types.sequence import EncoderState, Sequence
 
 
 @dataclass(slots=True, eq=False)

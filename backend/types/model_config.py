@@ -1,0 +1,46 @@
+"""A model's architecture as the loader reads it from its config.json (or a GGUF file's
+metadata): what every forward, the LoRA lanes and the KV pool size themselves by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backend.contract.vision import VisionInfo
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 only
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means no window anywhere
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    num_mtp_layers: int = 0  # MiMo's model.mtp_layers (backend/runner/models/mtp.py)
+    # Qwen2-VL's M-RoPE: frequency pairs per (t, h, w) row (backend/vision/mrope.py); empty: 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
