@@ -1,2 +1,2 @@
-"""Beam search: transformers' rules, one request's search step by step (the engine's
-scheduling of beam groups on the paged cache builds on it; issue 14, in progress)."""
+"""Beam search by transformers' rules: one request's search step by step (search.py) and its
+rows on the paged cache (group.py). The scheduler's `BeamRows` (backend.core) drives them."""

@@ -1,2 +1,4 @@
 """The model runner: builds each step's flat batch, runs the forward (`models/`) over the
-paged KV cache, and samples; plus loading and converting model folders."""
+paged KV cache (attention.py) and hands the logits to the sampler; loads model folders
+(loader.py, weights.py), converts the default model's GGUF (convert.py) and quantizes its
+weights (`quant/`), on the kernels of backend.kernels."""
