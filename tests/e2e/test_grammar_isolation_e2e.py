@@ -116,7 +116,9 @@ def test_a_tenants_slow_schemas_cost_the_other_tenant_nothing(isolated, model):
     stop.set()
     for thread in attackers:
         thread.join()
-    schema_after = ask(b, model, trivial("after"))  # a's abandoned compilations hold no slot
+    # a's abandoned compilations hold no slot: b's new schemas compile at once (the median of
+    # three: one sample right after the kills measured 0.27 s against 0.07 s alone, once)
+    schema_after = median_of(lambda i: ask(b, model, trivial(f"after{i}")))
     # the slower of the baselines before and after: other work on the machine may come and go
     chat_alone, schema_alone = map(max, before, alone(b, model, "again"))
 
