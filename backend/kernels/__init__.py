@@ -11,9 +11,12 @@ from backend.kernels.ops import (
     EMPTY,
     KV_KERNEL_DTYPES,
     PAGED_HEAD_DIMS,
-    decode_attention,
+    dense_matmul,
+    paged_attention_rows,
     paged_decode_attention,
+    silu_mul,
     rms_norm,
+    rope_,
 )
 
 __all__ = [
@@ -22,8 +25,11 @@ __all__ = [
     "PAGED_HEAD_DIMS",
     "build_directory",
     "cpu_flags",
-    "decode_attention",
+    "dense_matmul",
     "native",
+    "paged_attention_rows",
     "paged_decode_attention",
+    "silu_mul",
     "rms_norm",
+    "rope_",
 ]

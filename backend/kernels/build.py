@@ -19,7 +19,9 @@ FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")  # what the ke
 _FOLDER = Path(__file__).parent
 _SOURCES = [
     str(_FOLDER / name)
-    for name in ("kernels.cpp", "paged_attention.cpp", "tiles.cpp", "tiles_a8.cpp", "decode_layer.cpp", "first_max.cpp")
+    for name in (
+        "kernels.cpp", "paged_attention.cpp", "tiles.cpp", "tiles_a8.cpp", "decode_layer.cpp", "first_max.cpp", "dense.cpp"
+    )  # fmt: skip
 ]
 # -ffp-contract=off: the dequantization multiplies then adds, as the reference does
 _CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]

@@ -58,7 +58,22 @@ void rope(float* qkv, int64_t T, int64_t width, int64_t heads, int64_t D, const 
 
 // act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu(g) = g / (1 + exp(-g)) as torch
 // computes it, 16 lanes at a time (I: down's K, a multiple of 32; exp16 ~1e-7 from torch's).
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+}  // namespace
+
+// RoPE in place on the first `heads` heads of each row of x [T, width] (contiguous float32),
+// cos, sin [T, D]: decode_layer's arithmetic, for the layer-by-layer path's rows.
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [T, W]");
+  const int64_t T = x.size(0), D = cos.numel() / std::max<int64_t>(T, 1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.numel() == cos.numel() && cos.numel() == T * D &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  heads * D <= x.size(1), "cos, sin: float32 [T, D]");
+  rope(x.data_ptr<float>(), T, x.size(1), heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32,
+              "gate_up: contiguous float32 [T, 2I]");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "silu_mul: an intermediate size a multiple of 16");
   torch::Tensor act = torch::empty({T, I}, gate_up.options());
@@ -77,6 +92,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   });
   return act;
 }
+
+namespace {
 
 // n values of `row` into `cache` (flat) from element `at`: copied into a float32 cache,
 // rounded to the nearest float16 (ties to even, as torch's .to(float16)) into a float16 one.

@@ -294,54 +294,23 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
-// One query token of one sequence against its L cached keys / values (grouped-query: query
-// head h reads KV head h / (H / KV)): softmax(scale * q k^T) v in float32, per head.
-// q: [H, D]; keys, values: [L, KV, D] contiguous (the sequence's slots, consecutive).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, double scale) {
-  TORCH_CHECK(q.dim() == 2 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [H, D]; keys, values [L, KV, D]");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous operands");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32, "float32");
-  const int64_t H = q.size(0), D = q.size(1), L = keys.size(0), KV = keys.size(1), G = H / KV;
-  TORCH_CHECK(D % 16 == 0 && H % KV == 0 && keys.size(2) == D, "head_dim a multiple of 16, H a multiple of KV");
-  torch::Tensor out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  std::vector<float> scores(static_cast<size_t>(L));
-  for (int64_t h = 0; h < H; ++h) {
-    const float* qh = qp + h * D;
-    const int64_t kvh = h / G;
-    float top = -INFINITY;
-    for (int64_t l = 0; l < L; ++l) {
-      const float* kl = kp + (l * KV + kvh) * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(kl + d), acc);
-      scores[l] = _mm512_reduce_add_ps(acc) * static_cast<float>(scale);
-      top = std::max(top, scores[l]);
-    }
-    float total = 0.f;
-    for (int64_t l = 0; l < L; ++l) total += (scores[l] = std::exp(scores[l] - top));
-    float* oh = op + h * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t l = 0; l < L; ++l) {
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[l]), _mm512_loadu_ps(vp + (l * KV + kvh) * D + d), acc);
-      }
-      _mm512_storeu_ps(oh + d, _mm512_div_ps(acc, _mm512_set1_ps(total)));
-    }
-  }
-  return out;
-}
-
 // paged_attention.cpp
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                   torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
+                                   int64_t block_size, double scale, int64_t window);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);
 // tiles.cpp, tiles_a8.cpp
 torch::Tensor tiled_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
+// dense.cpp
+torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 // first_max.cpp
 torch::Tensor first_max(torch::Tensor x);
 // decode_layer.cpp
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
@@ -356,9 +325,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, nogil, "one decoder layer of a decode step, its linears tiles, x updated in place");
   m.def("quant_matmul", &quant_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, nogil, "dequant(W) [N, K], float32 or bf16");
+  m.def("dense_matmul", &dense_matmul, nogil, "y = x @ w (+ bias), float32, each row's sums in one order");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row of float32 x [T, H]");
   m.def("first_max", &first_max, nogil, "each row's argmax, the first of ties, NaN the largest");
-  m.def("decode_attention", &decode_attention, nogil, "one query token's attention over consecutive cached keys");
+  m.def("paged_attention_rows", &paged_attention_rows, nogil,
+        "each query row over its sequence's cached keys through its block table, batch-invariant");
+  m.def("rope_", &rope_, nogil, "RoPE in place on the first heads of each row, decode_layer's arithmetic");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of gate_up [T, 2I], decode_layer's arithmetic");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence, attending over its cached keys through its block table");
 }

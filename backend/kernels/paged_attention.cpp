@@ -1,267 +1,438 @@
-// Decode attention over the paged KV cache (kernels.cpp binds it): one query token per
-// sequence against its cached keys / values, read in place through its block table, in
-// float32 over a float32 or float16 cache. Our softmax's exp is Cephes' (vec_exp.h);
-// otherwise the arithmetic is softmax(q k^T * scale) v's, up to the order of float additions.
+// Attention over the paged KV cache (kernels.cpp binds it), one arithmetic for every query
+// row: a decode's token, a verify step's 1 + k, a prefill chunk's, after cached context or
+// not. Row r of q attends over positions [lo, len[r]) of its sequence (lo = 0, or the last
+// `window` positions), read in place through its block table, in float32 over a float32 or
+// float16 cache, after the step's new keys and values were written there.
+//
+// Batch invariance (issue "Same request, same answer"): a row's result depends on its query,
+// its length and the cache alone, never on the other rows, how many there are, or how the
+// work is cut among threads. The positions are cut into spans of kSpan, aligned to absolute
+// positions (0, 256, 512 ...), so a span's partial (its largest score, its numerators' sum,
+// its unnormalized exp(scores - top) v) is the same whether the row is a decode or a prefill
+// chunk's. In a span, a score is q . k as one chain of multiply-adds over d in order (keys
+// transposed so 16 positions share a vector), the numerators are summed in 16 lanes by
+// position mod 16 then reduced in _mm512_reduce_add_ps's order, and v is accumulated in
+// position order. Rows that share a unit (a sequence's tile of rows, a KV head, a span) share
+// the loads; a row's lanes outside its own range hold exactly 0 (its sums and products
+// unchanged). The spans merge in order, as one softmax over the whole context. Our softmax's
+// exp is Cephes' (vec_exp.h); otherwise softmax(q k^T * scale) v up to the order of additions.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "vec_exp.h"
 
 namespace {
 
-// scores[0..L) <- exp(scores - max), returning their sum; the max in *most (-inf for L = 0).
-inline float softmax_numerators(float* scores, int64_t L, float* most) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  int64_t l = 0;
-  for (; l + 16 <= L; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + l));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (L - l)) - 1);
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, scores + l));
-  *most = _mm512_reduce_max_ps(top);
-  const __m512 shift = _mm512_set1_ps(*most);
-  __m512 total = _mm512_setzero_ps();
-  for (l = 0; l + 16 <= L; l += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
-    _mm512_storeu_ps(scores + l, e);
-    total = _mm512_add_ps(total, e);
-  }
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l), shift));
-  _mm512_mask_storeu_ps(scores + l, tail, e);
-  total = _mm512_mask_add_ps(total, tail, total, e);
-  return _mm512_reduce_add_ps(total);
-}
+constexpr int64_t kSpan = 256;     // positions per span: 16 blocks of 16
+constexpr int64_t kRowTile = 16;   // rows of one sequence a unit takes (a prefill chunk's tokens)
+constexpr int kScoreGroup = 8;     // queries whose scores share each key load
 
-// 16 cached values as float32: a float32 cache's as they are, a float16 cache's
-// (KV_CACHE_DTYPE=float16, stored as uint16_t) widened, which is exact.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
-// The row of KV head `kvh` at position `pos` of a sequence: its slot found through `table`.
-// Calls f(l, row) for l = 0 .. L - 1, row the cached row (of KV head kvh) of position
-// first + l, found through `table`: a block's rows one after another, one division a block.
-template <class T, class F>
-inline void for_each_row(const T* base, const int64_t* table, int64_t block_size, int64_t first, int64_t L,
-                         int64_t KV, int64_t kvh, int64_t D, F&& f) {
-  constexpr int64_t kBytes = sizeof(T);
-  for (int64_t l = 0; l < L;) {
-    const int64_t pos = first + l, offset = pos % block_size, n = std::min(block_size - offset, L - l);
-    const int64_t block = pos / block_size;
-    const T* row = base + ((table[block] * block_size + offset) * KV + kvh) * D;
-    if (l + n < L) {  // the next block's rows, wherever the table put it: no prefetcher guesses that
-      const char* next = reinterpret_cast<const char*>(base + (table[block + 1] * block_size * KV + kvh) * D);
-      const int64_t rows = std::min(block_size, L - l - n);
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t b = 0; b < D * kBytes; b += 64) _mm_prefetch(next + i * KV * D * kBytes + b, _MM_HINT_T0);
-      }
-    }
-    for (int64_t i = 0; i < n; ++i, ++l) f(l, row + i * KV * D);
-  }
-}
-
-// One (sequence, KV head) of paged_decode_attention: its G query heads over positions
-// first .. first + L - 1, found through `table`. DV: head_dim / 16; GT query heads share
-// each loaded value row, their DV * GT accumulators in registers.
-// One span of one (sequence, KV head): its G query heads over positions first .. first + L - 1,
-// found through `table`. DV: head_dim / 16; GT query heads share each loaded value row, their
-// DV * GT accumulators in registers. With `top` null the span is the whole context and `out`
-// gets softmax(scores) v; otherwise `out` gets the span's exp(scores - top) v unnormalized,
-// top[g] the span's largest score and total[g] its numerators' sum, for merge_spans.
-template <int DV, int GT, class T>
-void attend_span(const float* qg, float* out, float* top, float* total, const T* kp, const T* vp,
-                 const int64_t* table, int64_t block_size, int64_t first, int64_t L, int64_t G, int64_t KV,
-                 int64_t kvh, float scale, float* scores) {
-  constexpr int64_t D = DV * 16;
-  for_each_row(kp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const T* kl) {
-    __m512 k[DV];
-    for (int d = 0; d < DV; ++d) k[d] = load16(kl + d * 16);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg + g * D), k[0]);
-      for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + g * D + d * 16), k[d], acc);
-      scores[g * L + l] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  });
-  for (int64_t g0 = 0; g0 < G; g0 += GT) {
-    const int64_t gn = std::min<int64_t>(GT, G - g0);
-    __m512 acc[GT][DV];
-    float inv[GT];
-    for (int g = 0; g < GT; ++g) {
-      if (g < gn) {
-        float most;
-        const float sum = softmax_numerators(scores + (g0 + g) * L, L, &most);
-        inv[g] = top ? 1.f : 1.f / sum;
-        if (top) top[g0 + g] = most, total[g0 + g] = sum;
-      }
-      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
-    }
-    for_each_row(vp, table, block_size, first, L, KV, kvh, D, [&](int64_t l, const T* vl) {
-      __m512 v[DV];
-      for (int d = 0; d < DV; ++d) v[d] = load16(vl + d * 16);
-      for (int g = 0; g < GT; ++g) {
-        if (g < gn) {
-          const __m512 w = _mm512_set1_ps(scores[(g0 + g) * L + l]);
-          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
-        }
-      }
-    });
-    for (int g = 0; g < gn; ++g) {
-      for (int d = 0; d < DV; ++d) {
-        _mm512_storeu_ps(out + (g0 + g) * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv[g])));
-      }
-    }
-  }
-}
-
-// One task's S spans into og [G, D], each span's share rescaled to the largest score of all
-// (as one softmax over the whole context). Span s's partials are `tasks` units after span
-// s - 1's: acc + s * tasks * G * D [G, D], top and total + s * tasks * G [G].
-void merge_spans(float* og, const float* acc, const float* top, const float* total, int64_t S, int64_t tasks,
-                 int64_t G, int64_t D) {
-  std::vector<float> weight(static_cast<size_t>(S));
-  for (int64_t g = 0; g < G; ++g) {
-    float most = -INFINITY, sum = 0.f;
-    for (int64_t s = 0; s < S; ++s) most = std::max(most, top[s * tasks * G + g]);
-    for (int64_t s = 0; s < S; ++s) {
-      weight[s] = total[s * tasks * G + g] > 0.f ? std::exp(top[s * tasks * G + g] - most) : 0.f;
-      sum += weight[s] * total[s * tasks * G + g];
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      float value = 0.f;
-      for (int64_t s = 0; s < S; ++s) value += weight[s] * acc[(s * tasks * G + g) * D + d];
-      og[g * D + d] = value / sum;
-    }
-  }
-}
-
-// A decode batch of fewer (sequence, KV head) tasks than this many per thread splits each
-// context into one span per thread, when the batch attends over at least kSplitFrom
-// (position, KV head) pairs: one stream's attention (3 KV heads on the default model) would
-// otherwise run on one core. Measured on 2 cores, one sequence, 3 KV heads, float16 cache:
-// 171 positions 0.95x, 256 1.12x, 512 1.37x, 2048 1.73x against one thread.
-constexpr int64_t kTasksPerThread = 4;
-constexpr int64_t kSplitFrom = 768;
-
-struct Batch {  // paged_decode_attention's operands, as pointers
-  const float* q;
-  float* out;
-  const int64_t* tables;
-  const int64_t* lens;
-  int64_t B, H, KV, D, max_blocks, block_size, window;
+struct Rows {  // the operands, as pointers
+  const float* q;          // [N, H, D]
+  const int64_t* tables;   // [S, max_blocks]
+  const int64_t* seq;      // [N]: the row's block table
+  const int64_t* len;      // [N]: positions [lo, len) seen
+  int64_t N, H, KV, D, max_blocks, block_size, window;
   float scale;
 };
 
-// Positions first .. first + L - 1 of sequence b (its last `window` with a sliding window),
-// cut in S spans: span s's [from, to).
-void span_of(const Batch& a, int64_t b, int64_t s, int64_t S, int64_t& from, int64_t& to) {
-  const int64_t length = a.lens[b], first = a.window > 0 ? std::max<int64_t>(0, length - a.window) : 0;
-  const int64_t L = length - first, step = (L + S - 1) / S;
-  from = std::min(length, first + s * step);
-  to = std::min(length, from + step);
+inline int64_t first_seen(const Rows& a, int64_t r) {
+  return a.window > 0 ? std::max<int64_t>(0, a.len[r] - a.window) : 0;
 }
 
-template <class T>
-void attend(const Batch& a, const T* kp, const T* vp, int64_t task, int64_t s, int64_t S, float* out, float* top,
-            float* total, std::vector<float>& scores) {
-  const int64_t b = task / a.KV, kvh = task % a.KV, G = a.H / a.KV;
-  int64_t from, to;
-  span_of(a, b, s, S, from, to);
-  const int64_t L = to - from;
-  if (L == 0) {  // a short context's empty span: no share in the merge
-    for (int64_t g = 0; g < G; ++g) top[g] = -INFINITY, total[g] = 0.f;
-    std::fill(out, out + G * a.D, 0.f);
-    return;
+// 16 cached values as float32: a float32 cache's as they are, a float16 cache's widened (exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// r[i] <- column i of the 16 x 16 block r (rows r[0..15]).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5 | ...
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7 | ...
   }
-  const int64_t* table = a.tables + b * a.max_blocks;
-  const float* qg = a.q + (b * a.H + kvh * G) * a.D;  // the G query heads of this KV head
-  scores.resize(static_cast<size_t>(G * L));
-  float* sp = scores.data();
-  if (a.D == 32) attend_span<2, 8>(qg, out, top, total, kp, vp, table, a.block_size, from, L, G, a.KV, kvh, a.scale, sp);
-  if (a.D == 64) attend_span<4, 4>(qg, out, top, total, kp, vp, table, a.block_size, from, L, G, a.KV, kvh, a.scale, sp);
-  if (a.D == 128) attend_span<8, 2>(qg, out, top, total, kp, vp, table, a.block_size, from, L, G, a.KV, kvh, a.scale, sp);
+  for (int i = 0; i < 16; i += 4) {  // lane k of r[i + j]: column 4k + j of rows i .. i + 3
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {  // rows 0-3 with 4-7, 8-11 with 12-15: 128-bit lanes 0, 2 and 1, 3
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {  // then the halves: lanes (0, 2) of both, (1, 3) of both
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
 }
 
-// The batch's tasks, one per (sequence, KV head), over a cache of T (float32 or float16's
-// bits): whole contexts, or S spans each merged after (unit u: span u / tasks of task
-// u % tasks, so each thread's run of units holds its span of every task).
-template <class T>
-void attend_paged(const Batch& a, const T* kp, const T* vp) {
-  const int64_t tasks = a.B * a.KV, G = a.H / a.KV, threads = at::get_num_threads();
-  int64_t work = 0;  // (position, KV head) pairs attended
-  for (int64_t b = 0; b < a.B; ++b) {
-    int64_t from, to;
-    span_of(a, b, 0, 1, from, to);
-    work += (to - from) * a.KV;
+// r[i] <- column i of the 16 x 16 block of float16 bits r (rows r[0..15]), widened to float32
+// (exact): the transpose on 16-bit lanes, half the width of float32's.
+inline void transpose16_half(const __m256i (&r)[16], __m512 (&out)[16]) {
+  __m256i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // lane k: elements 4k'.. of rows i, i + 1 interleaved
+    a[i] = _mm256_unpacklo_epi16(r[i], r[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi16(r[i], r[i + 1]);
   }
-  const int64_t S = threads > 1 && tasks < kTasksPerThread * threads && work >= kSplitFrom ? threads : 1;
-  if (S == 1) {
-    auto whole = [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t task = begin; task < end; ++task) {
-        attend(a, kp, vp, task, 0, 1, a.out + task * G * a.D, nullptr, nullptr, scores);
-      }
-    };
-    tasks < 4 ? whole(0, tasks) : at::parallel_for(0, tasks, 1, whole);
-    return;
+  for (int i = 0; i < 16; i += 4) {  // rows i .. i + 3 of 2 elements a 128-bit lane
+    b[i] = _mm256_unpacklo_epi32(a[i], a[i + 2]);
+    b[i + 1] = _mm256_unpackhi_epi32(a[i], a[i + 2]);
+    b[i + 2] = _mm256_unpacklo_epi32(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm256_unpackhi_epi32(a[i + 1], a[i + 3]);
   }
-  const int64_t units = S * tasks;  // partials: acc [S, tasks, G, D], top and total [S, tasks, G]
-  std::vector<float> acc(static_cast<size_t>(units * G * a.D)), top(static_cast<size_t>(units * G)),
-      total(static_cast<size_t>(units * G));
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t u = begin; u < end; ++u) {
-      attend(a, kp, vp, u % tasks, u / tasks, S, acc.data() + u * G * a.D, top.data() + u * G, total.data() + u * G,
-             scores);
+  for (int i = 0; i < 16; i += 8) {  // rows i .. i + 7 of 1 element a 128-bit lane
+    for (int j = 0; j < 4; ++j) {
+      a[i + 2 * j] = _mm256_unpacklo_epi64(b[i + j], b[i + 4 + j]);
+      a[i + 2 * j + 1] = _mm256_unpackhi_epi64(b[i + j], b[i + 4 + j]);
     }
-  });
-  for (int64_t task = 0; task < tasks; ++task) {
-    merge_spans(a.out + task * G * a.D, acc.data() + task * G * a.D, top.data() + task * G, total.data() + task * G, S,
-                tasks, G, a.D);
   }
+  // a[i + c] (i = 0, 8; c = 0..7): rows i .. i + 7 of element c (lane 0) and c + 8 (lane 1)
+  for (int c = 0; c < 8; ++c) {
+    out[c] = _mm512_cvtph_ps(_mm256_permute2x128_si256(a[c], a[8 + c], 0x20));
+    out[c + 8] = _mm512_cvtph_ps(_mm256_permute2x128_si256(a[c], a[8 + c], 0x31));
+  }
+}
+
+// A unit's span of one KV head: keys as float32 transposed, kt[d * kSpan + p] (p the position
+// less the span's first; positions outside [from, to) of the chunks touched are zero), and
+// each position's value row, vrow[p]: in the cache, or (a float16 cache read by many queries)
+// widened once into vs[p * D].
+struct Span {
+  std::vector<float> kt, vs, scores;
+  std::vector<const void*> vrow;
+};
+
+inline void load_block(const float* kp, const int64_t* at, __m512 (&r)[16]) {
+  for (int i = 0; i < 16; ++i) r[i] = at[i] < 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(kp + at[i]);
+  transpose16(r);
+}
+
+inline void load_block(const uint16_t* kp, const int64_t* at, __m512 (&r)[16]) {
+  __m256i h[16];
+  for (int i = 0; i < 16; ++i) {
+    h[i] = at[i] < 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + at[i]));
+  }
+  transpose16_half(h, r);
+}
+
+template <class T>
+void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, int64_t kvh, int64_t base,
+               int64_t from, int64_t to, bool widen_values, Span& s) {
+  const int64_t D = a.D, c0 = (from - base) / 16 * 16, c1 = (to - base + 15) / 16 * 16;
+  for (int64_t c = c0; c < c1; c += 16) {
+    int64_t at[16];  // each position's row of this KV head in the cache, -1 outside [from, to)
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t pos = base + c + i, slot = table[pos / a.block_size] * a.block_size + pos % a.block_size;
+      at[i] = pos < from || pos >= to ? -1 : (slot * a.KV + kvh) * D;
+      if (at[i] < 0) continue;
+      float* widened = s.vs.data() + (c + i) * D;
+      if (widen_values) {
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(widened + d, load16(vp + at[i] + d));
+      }
+      s.vrow[c + i] = widen_values ? static_cast<const void*>(widened) : static_cast<const void*>(vp + at[i]);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      int64_t cols[16];
+      for (int i = 0; i < 16; ++i) cols[i] = at[i] < 0 ? -1 : at[i] + d0;
+      load_block(kp, cols, r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(s.kt.data() + (d0 + j) * kSpan + c, r[j]);
+    }
+  }
+}
+
+struct Query {  // one (row, query head) of a unit: its positions [from, to) in the span
+  const float* q;
+  float *acc, *top, *total;  // its partial: [D], and one float each
+  int64_t from, to;
+};
+
+// Scores of queries qs[0..NQ) over CH chunks of 16 positions from c: each query's 16 lanes a
+// chain of multiply-adds over d, times scale, -inf outside its own positions. (CH chunks at
+// once: more independent chains where a few queries would wait on the multiply-add's latency.)
+template <int NQ, int CH>
+inline void score_chunks(const Query* qs, int64_t D, int64_t base, int64_t c, float scale, Span& s) {
+  __m512 acc[CH][NQ];
+  const float* k = s.kt.data() + c;
+  for (int h = 0; h < CH; ++h)
+    for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_mul_ps(_mm512_set1_ps(qs[i].q[0]), _mm512_loadu_ps(k + h * 16));
+  for (int64_t d = 1; d < D; ++d) {
+    for (int h = 0; h < CH; ++h) {
+      const __m512 kd = _mm512_loadu_ps(k + d * kSpan + h * 16);
+      for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i].q[d]), kd, acc[h][i]);
+    }
+  }
+  for (int h = 0; h < CH; ++h) {
+    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + c + h * 16)),
+                                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    for (int i = 0; i < NQ; ++i) {
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(qs[i].from))) &
+                             _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(qs[i].to)));
+      const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(acc[h][i], _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(s.scores.data() + i * kSpan + c + h * 16, v);
+    }
+  }
+}
+
+template <int NQ>
+void scores(const Query* qs, int64_t D, int64_t base, int64_t c0, int64_t c1, float scale, Span& s) {
+  constexpr int kChunks = NQ <= 2 ? 4 : NQ <= 4 ? 2 : 1;
+  int64_t c = c0;
+  for (; c + 16 * kChunks <= c1; c += 16 * kChunks) score_chunks<NQ, kChunks>(qs, D, base, c, scale, s);
+  for (; c < c1; c += 16) score_chunks<NQ, 1>(qs, D, base, c, scale, s);
+}
+
+// A query's scores (row i of the unit's scores) -> exp(score - top), 0 outside its positions,
+// over chunks c0 .. c1; its top and sum of numerators into the query's partial.
+void numerators(float* sc, const Query& q, int64_t base, int64_t c0, int64_t c1) {
+  const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
+  __m512 most = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = q0; c < q1; c += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(sc + c));
+  const float top = _mm512_reduce_max_ps(most);
+  const __m512 shift = _mm512_set1_ps(top), minus_inf = _mm512_set1_ps(-INFINITY);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t c = c0; c < c1; c += 16) {
+    if (c < q0 || c >= q1) {
+      _mm512_storeu_ps(sc + c, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512 x = _mm512_loadu_ps(sc + c);
+    const __mmask16 seen = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, shift)));
+    _mm512_storeu_ps(sc + c, e);
+    total = _mm512_add_ps(total, e);
+  }
+  *q.top = top;
+  *q.total = _mm512_reduce_add_ps(total);
+}
+
+// acc of queries qs[0..n) = sum over positions p in [p0, p1) of their numerator times v[p],
+// in position order (numerators 0 outside a query's own positions).
+template <int DV, int NQ, class T>
+void weigh_values(const Query* qs, const float* sc, int64_t p0, int64_t p1, const Span& s) {
+  constexpr int64_t D = DV * 16;
+  __m512 acc[NQ][DV];
+  for (int i = 0; i < NQ; ++i)
+    for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 v[DV];
+    const T* row = static_cast<const T*>(s.vrow[p]);
+    for (int d = 0; d < DV; ++d) v[d] = load16(row + d * 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 w = _mm512_set1_ps(sc[i * kSpan + p]);
+      for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(qs[i].acc + d * 16, acc[i][d]);
+}
+
+template <int DV, class T>
+void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1, const Span& s) {
+  constexpr int kGroup = DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
+  for (int i = 0; i < n; i += kGroup) {
+    switch (std::min(kGroup, n - i)) {
+      case 1: weigh_values<DV, 1, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+      case 2: weigh_values<DV, 2, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+      case 3: weigh_values<DV, 3, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+      case 4: weigh_values<DV, 4, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+      default: weigh_values<DV, 8, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+    }
+  }
+}
+
+// Queries qs[0..n) (n <= kScoreGroup) of one unit, the span loaded (its value rows T): their partials.
+template <class T>
+void attend_group(const Query* qs, int n, int64_t D, int64_t base, float scale, Span& s) {
+  int64_t p0 = qs[0].from, p1 = qs[0].to;
+  for (int i = 1; i < n; ++i) p0 = std::min(p0, qs[i].from), p1 = std::max(p1, qs[i].to);
+  const int64_t c0 = (p0 - base) / 16 * 16, c1 = (p1 - base + 15) / 16 * 16;
+  switch (n) {
+    case 1: scores<1>(qs, D, base, c0, c1, scale, s); break;
+    case 2: scores<2>(qs, D, base, c0, c1, scale, s); break;
+    case 3: scores<3>(qs, D, base, c0, c1, scale, s); break;
+    case 4: scores<4>(qs, D, base, c0, c1, scale, s); break;
+    case 5: scores<5>(qs, D, base, c0, c1, scale, s); break;
+    case 6: scores<6>(qs, D, base, c0, c1, scale, s); break;
+    case 7: scores<7>(qs, D, base, c0, c1, scale, s); break;
+    default: scores<8>(qs, D, base, c0, c1, scale, s); break;
+  }
+  for (int i = 0; i < n; ++i) numerators(s.scores.data() + i * kSpan, qs[i], base, c0, c1);
+  const float* sc = s.scores.data();
+  if (D == 32) weigh_group<2, T>(qs, n, sc, p0 - base, p1 - base, s);
+  if (D == 64) weigh_group<4, T>(qs, n, sc, p0 - base, p1 - base, s);
+  if (D == 128) weigh_group<8, T>(qs, n, sc, p0 - base, p1 - base, s);
+}
+
+struct Plan {  // the work: units of (tile of rows, KV head, span), and where each row's partials go
+  std::vector<int64_t> tile_first, tile_end;  // rows [first, end) of one sequence
+  std::vector<int64_t> first_span, part;      // per row: its first span, its partials' first index
+  struct Unit { int64_t tile, kvh, span; };
+  std::vector<Unit> units;
+  int64_t parts = 0;  // (row, span) partials
+};
+
+Plan plan_rows(const Rows& a) {
+  Plan p;
+  p.first_span.resize(a.N);
+  p.part.resize(a.N);
+  for (int64_t r = 0; r < a.N; ++r) {
+    p.first_span[r] = first_seen(a, r) / kSpan;
+    p.part[r] = p.parts;
+    p.parts += (a.len[r] - 1) / kSpan - p.first_span[r] + 1;
+    const bool joins = r > 0 && a.seq[r] == a.seq[r - 1] && r - p.tile_first.back() < kRowTile;
+    if (!joins) p.tile_first.push_back(r), p.tile_end.push_back(r);
+    p.tile_end.back() = r + 1;
+  }
+  for (int64_t t = 0; t < static_cast<int64_t>(p.tile_first.size()); ++t) {
+    int64_t s0 = INT64_MAX, s1 = 0;
+    for (int64_t r = p.tile_first[t]; r < p.tile_end[t]; ++r) {
+      s0 = std::min(s0, p.first_span[r]), s1 = std::max(s1, (a.len[r] - 1) / kSpan + 1);
+    }
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t kvh = 0; kvh < a.KV; ++kvh) p.units.push_back({t, kvh, s});
+  }
+  return p;
+}
+
+// acc [parts, H, D], top and total [parts, H]: partial (row r's span s, head h) at
+// (part[r] + s - first_span[r]) * H + h.
+struct Partials {
+  std::vector<float> acc, top, total;
+};
+
+template <class T>
+void attend_unit(const Rows& a, const Plan& p, const Plan::Unit& u, const T* kp, const T* vp, Partials& out,
+                 Span& s, std::vector<Query>& qs) {
+  const int64_t G = a.H / a.KV, base = u.span * kSpan;
+  qs.clear();
+  int64_t from = INT64_MAX, to = 0;
+  for (int64_t r = p.tile_first[u.tile]; r < p.tile_end[u.tile]; ++r) {
+    const int64_t lo = std::max(base, first_seen(a, r)), hi = std::min(base + kSpan, a.len[r]);
+    if (lo >= hi) continue;
+    from = std::min(from, lo), to = std::max(to, hi);
+    const int64_t at = (p.part[r] + u.span - p.first_span[r]) * a.H;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = u.kvh * G + g;
+      qs.push_back({a.q + (r * a.H + h) * a.D, out.acc.data() + (at + h) * a.D, out.top.data() + at + h,
+                    out.total.data() + at + h, lo, hi});
+    }
+  }
+  if (qs.empty()) return;
+  const int64_t* table = a.tables + a.seq[p.tile_first[u.tile]] * a.max_blocks;
+  const int64_t n = static_cast<int64_t>(qs.size());
+  // a float16 cache's values widened once where more than one group of queries reads them
+  const bool widen = !std::is_same<T, float>::value && n > kScoreGroup;
+  load_span(a, kp, vp, table, u.kvh, base, from, to, widen, s);
+  for (int64_t i = 0; i < n; i += kScoreGroup) {
+    const int group = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i));
+    if (widen) {
+      attend_group<float>(qs.data() + i, group, a.D, base, a.scale, s);
+    } else {
+      attend_group<T>(qs.data() + i, group, a.D, base, a.scale, s);
+    }
+  }
+}
+
+// Row r, head h: its spans' partials merged in order, each rescaled to the largest score of all.
+void merge_row(const Rows& a, const Plan& p, const Partials& parts, int64_t r, float* out) {
+  const int64_t spans = (a.len[r] - 1) / kSpan - p.first_span[r] + 1;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const int64_t first = p.part[r] * a.H + h;
+    float most = -INFINITY, sum = 0.f;
+    for (int64_t s = 0; s < spans; ++s) most = std::max(most, parts.top[first + s * a.H]);
+    float* o = out + (r * a.H + h) * a.D;
+    std::fill(o, o + a.D, 0.f);
+    for (int64_t s = 0; s < spans; ++s) {
+      const int64_t i = first + s * a.H;
+      const float weight = parts.total[i] > 0.f ? std::exp(parts.top[i] - most) : 0.f;
+      sum += weight * parts.total[i];
+      for (int64_t d = 0; d < a.D; ++d) o[d] += weight * parts.acc[i * a.D + d];
+    }
+    for (int64_t d = 0; d < a.D; ++d) o[d] /= sum;
+  }
+}
+
+template <class T>
+void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
+  const Plan p = plan_rows(a);
+  Partials parts{std::vector<float>(static_cast<size_t>(p.parts * a.H * a.D)),
+                 std::vector<float>(static_cast<size_t>(p.parts * a.H)),
+                 std::vector<float>(static_cast<size_t>(p.parts * a.H))};
+  const int64_t units = static_cast<int64_t>(p.units.size());
+  const auto run = [&](int64_t begin, int64_t end) {
+    Span s{std::vector<float>(static_cast<size_t>(a.D * kSpan)), std::vector<float>(static_cast<size_t>(kSpan * a.D)),
+           std::vector<float>(static_cast<size_t>(kScoreGroup * kSpan)), std::vector<const void*>(kSpan)};
+    std::vector<Query> qs;
+    for (int64_t i = begin; i < end; ++i) attend_unit(a, p, p.units[i], kp, vp, parts, s, qs);
+  };
+  units < 2 ? run(0, units) : at::parallel_for(0, units, 1, run);
+  const auto merge = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) merge_row(a, p, parts, r, out);
+  };
+  a.N < 16 ? merge(0, a.N) : at::parallel_for(0, a.N, 8, merge);
 }
 
 }  // namespace
 
-// One query token for each of B sequences against its cached keys / values, read in place
-// through its block table: no gather into a padded copy, no mask, no work past a
-// sequence's own length. q: [B, H, D]; keys, values: [num_slots, KV, D] (a layer's flat
-// slot views, float32 or float16); block_tables: [B, max_blocks] int64; context_lens: [B]
-// int64; `window` > 0 keeps each query's last `window` positions (a sliding window). One
-// task per (sequence, KV head), or per span of one with few tasks (attend_paged). head_dim
-// 32, 64 or 128. -> [B, H, D] float32.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [B, H, D]; keys [S, KV, D]");
+// Row r of q [N, H, D] against its sequence's cached keys / values at positions [lo, len[r])
+// (lo = 0, or len[r] - window with a sliding window), read in place through block table
+// tables[seq[r]]: no gather into a padded copy, no mask. keys, values: [num_slots, KV, D]
+// (a layer's flat slot views, float32 or float16); tables [S, max_blocks], seq and lens [N]
+// int64. head_dim 32, 64 or 128. -> [N, H, D] float32.
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                   torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
+                                   int64_t block_size, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [N, H, D]; keys [S, KV, D]");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous operands");
   const bool half = keys.scalar_type() == torch::kFloat16;
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (half || keys.scalar_type() == torch::kFloat32) &&
                   values.scalar_type() == keys.scalar_type(), "q float32; keys, values float32 or float16");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64, "int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
+  const auto i64 = torch::kInt64;
+  TORCH_CHECK(block_tables.scalar_type() == i64 && seq.scalar_type() == i64 && lens.scalar_type() == i64, "int64");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
   TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && keys.size(2) == D,
               "head_dim 32, 64 or 128; H a multiple of KV");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B, "one row a sequence");
-  auto tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  const int64_t max_blocks = tables.size(1), num_slots = keys.size(0);
-  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * block_size, "context length outside its block table");
-    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i) {
-      const int64_t block = tp[b * max_blocks + i];
+  TORCH_CHECK(block_tables.dim() == 2 && seq.numel() == N && lens.numel() == N, "one seq and len a row");
+  auto tables = block_tables.contiguous(), seqs = seq.contiguous(), lengths = lens.contiguous();
+  const int64_t max_blocks = tables.size(1), num_slots = keys.size(0), S = tables.size(0);
+  const int64_t *tp = tables.data_ptr<int64_t>(), *sp = seqs.data_ptr<int64_t>(), *lp = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "a row's block table outside block_tables");
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= max_blocks * block_size, "context length outside its block table");
+    for (int64_t i = 0; i < (lp[r] + block_size - 1) / block_size; ++i) {
+      const int64_t block = tp[sp[r] * max_blocks + i];
       TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "a block table points outside the cache");
     }
   }
   torch::Tensor out = torch::empty_like(q);
-  const Batch batch{q.data_ptr<float>(), out.data_ptr<float>(), tp, lp, B, H, KV, D, max_blocks, block_size,
-                    window, static_cast<float>(scale)};
+  const Rows rows{q.data_ptr<float>(), tp, sp, lp, N, H, KV, D, max_blocks, block_size, window,
+                  static_cast<float>(scale)};
   if (half) {
-    attend_paged(batch, static_cast<const uint16_t*>(keys.data_ptr()), static_cast<const uint16_t*>(values.data_ptr()));
+    attend_rows(rows, static_cast<const uint16_t*>(keys.data_ptr()), static_cast<const uint16_t*>(values.data_ptr()),
+                out.data_ptr<float>());
   } else {
-    attend_paged(batch, keys.data_ptr<float>(), values.data_ptr<float>());
+    attend_rows(rows, keys.data_ptr<float>(), values.data_ptr<float>(), out.data_ptr<float>());
   }
   return out;
 }
 
+// One query token per sequence (a decode step): paged_attention_rows with row b of q on
+// block table b at context_lens[b] positions. q: [B, H, D]; block_tables [B, max_blocks].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale, int64_t window) {
+  const auto seq = torch::arange(q.size(0), context_lens.options().dtype(torch::kInt64));
+  return paged_attention_rows(q, keys, values, block_tables, seq, context_lens, block_size, scale, window);
+}

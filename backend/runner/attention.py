@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import decode_attention, paged_decode_attention
+from backend.kernels import paged_attention_rows
 from backend.runner.forward_batch import ForwardBatch
 
 
@@ -71,9 +71,23 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class QueryRows:
+    """Every row of the step for our paged kernel (paged_attention_rows, on the CPU): row r
+    attends over positions up to lens[r] of sequence seq[r], through block_tables[seq[r]].
+    One kernel for decode, verify and prefill rows, each row's arithmetic its own: the same
+    numbers whatever the batch, the prefill chunks or the cache hits (batch invariance)."""
+
+    tables: torch.Tensor  # [B, max_blocks] int64
+    seq: torch.Tensor  # [T] int64
+    lens: torch.Tensor  # [T] int64
+    window: int | None
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     decode: list[DecodeRows]  # one per short query length present
     prefills: list[PrefillChunk]
+    rows: QueryRows | None = None  # on the CPU: the kernel's operands, which every row then takes
 
 
 MAX_SHORT_QUERY = 16  # query tokens up to which a sequence joins the batched decode call
@@ -99,7 +113,20 @@ def build_attention_plan(
         for i, n in enumerate(batch.query_lens)
         if n > MAX_SHORT_QUERY
     ]
-    return AttentionPlan(decode, prefills)
+    return AttentionPlan(decode, prefills, _query_rows(batch, sliding_window))
+
+
+def _query_rows(batch: ForwardBatch, sliding_window: int | None) -> QueryRows | None:
+    """The step's rows for paged_attention_rows, where it may run (the CPU); query t of a
+    sequence sits at position ctx - query_len + t and sees the positions up to there."""
+    if batch.block_tables.device.type != "cpu":
+        return None
+    seq, lens = [], []
+    for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        seq += [i] * n
+        lens += range(ctx - n + 1, ctx + 1)
+    tables = batch.block_tables.to(torch.int64).contiguous()
+    return QueryRows(tables, torch.tensor(seq, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64), sliding_window)
 
 
 def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -204,6 +231,12 @@ def paged_attention(
     if plan is None:
         plan = build_attention_plan(batch, kv.cache.shape[2], q.dtype)
     write_kv(kv, k, v, batch.slot_mapping)
+    if plan.rows is not None:
+        rows = plan.rows
+        out = paged_attention_rows(q, (kv.keys, kv.values), rows.tables, rows.seq, rows.lens, kv.cache.shape[2],
+                                   scale, rows.window)  # fmt: skip
+        if out is not None:
+            return out
     if len(plan.decode) == 1 and plan.decode[0].token_rows is None:
         return _decode_attention(q, kv, plan.decode[0], scale)
     out = torch.empty_like(q)
@@ -220,17 +253,6 @@ def _decode_attention(q: torch.Tensor, kv: PagedKv, rows: DecodeRows, scale: flo
     # sequence's n query tokens, act as n * G queries of one sequence, so GQA needs
     # neither repeat_interleave nor enable_gqa here, and each sequence's context is
     # gathered once for all its query tokens.
-    if rows.run is not None and rows.query_len == 1:  # one stream's decode: our kernel, when it runs here
-        first, length = rows.run
-        out = decode_attention(q[0], kv.keys[first : first + length], kv.values[first : first + length], scale)
-        if out is not None:
-            return out[None]
-    if rows.tables is not None:  # a decode of several streams: the paged kernel, when it runs here
-        out = paged_decode_attention(
-            q, (kv.keys, kv.values), rows.tables, rows.lens, kv.cache.shape[2], scale, rows.window
-        )
-        if out is not None:
-            return out
     num_kv_heads, head_dim = kv.keys.shape[1], kv.keys.shape[2]
     n, num_heads = rows.query_len, q.shape[1]
     num_seqs, group = q.shape[0] // n, num_heads // num_kv_heads

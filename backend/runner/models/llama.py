@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import EMPTY, PAGED_HEAD_DIMS, native, rms_norm
+from backend.kernels import EMPTY, PAGED_HEAD_DIMS, dense_matmul, native, rms_norm, rope_, silu_mul
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import (
     AttentionPlan,
@@ -35,12 +35,11 @@ if TYPE_CHECKING:
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
-# Up to this many rows (the sequences whose logits a step needs) the int8 lm_head's GEMV runs,
-# past it the float32 table's matmul (a prefill's prompt logprobs). 49152 x 576 on 2 cores, ms
-# per call, GEMV against the float32 mm: 8 rows 3.3 / 13.1, 16 rows 8.0 / 15.9, 32 rows 15.4 /
-# 26.8, 48 rows 22.3 / 29.4 (quant_linear's int8 limit of 12 rows is for the decoder's shapes,
-# where the other path is a dequantize then a GEMM).
-LM_HEAD_GEMV_ROWS = 48
+# The int8 lm_head's GEMV runs at every row count (the sequences whose logits a step needs, a
+# prefill's prompt logprobs): one path, so a row's logits never depend on how many rows the
+# step has. 49152 x 576 on 2 cores, ms per call, GEMV against the float32 mm: 8 rows 3.3 /
+# 13.1, 16 rows 8.0 / 15.9, 32 rows 15.4 / 26.8, 48 rows 22.3 / 29.4.
+LM_HEAD_GEMV_ROWS = 1 << 30
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,6 +53,9 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = 
     if isinstance(weight_t, QuantizedWeight):  # QUANT (backend/runner/quant)
         return quant_linear(x, weight_t, bias)
     if x.is_cpu and x.dtype == torch.float32:
+        y = dense_matmul(x, weight_t, bias)  # each row's sums in one order (batch invariance)
+        if y is not None:
+            return y
         return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
     return F.linear(x, weight_t.t(), bias)
 
@@ -123,8 +125,7 @@ class DecoderLayer(torch.nn.Module):
         gate_up = linear(h, self.gate_up_t)
         if batch.lora is not None:
             add_lora(gate_up, h, batch.lora, self.index, GATE_UP)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gate_up)  # decode_layer's arithmetic: a decode row's numbers whatever its step
         down = linear(act, self.down_t)
         if batch.lora is not None:
             add_lora(down, act, batch.lora, self.index, DOWN)
@@ -142,8 +143,11 @@ class DecoderLayer(torch.nn.Module):
         if self.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
         # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half is a
-        # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM.rotary).
-        qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
+        # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM.rotary); on the CPU
+        # in place by decode_layer's own arithmetic (a row's numbers the same in either path).
+        rows = qkv if self.qk_norm is None else qk.view(num_tokens, -1)
+        if not rope_(rows, num_qk, cos, sin):
+            qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan).reshape(num_tokens, -1)  # [T, H * D]
@@ -223,7 +227,7 @@ class LlamaForCausalLM(torch.nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
-        if self.lm_head_q is not None and hidden.shape[0] <= LM_HEAD_GEMV_ROWS:
+        if self.lm_head_q is not None:
             return quant_linear(hidden, self.lm_head_q, gemv_rows=LM_HEAD_GEMV_ROWS).float()
         return linear(hidden, self.lm_head_t).float()
 

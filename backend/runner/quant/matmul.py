@@ -67,7 +67,9 @@ def quant_linear(
         return lib.tiled_matmul_a8(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
     if not gemv_rows:
         gemv_rows = GEMV_MAX_ROWS[weight.kind] if weight.gemv_max_rows is None else weight.gemv_max_rows
-    gemv = x.shape[0] <= gemv_rows
+    # float32 arithmetic takes the GEMV at every row count: a GEMM after a dequantize sums a
+    # row's products in another order, so a row's numbers would depend on its batch
+    gemv = x.shape[0] <= gemv_rows or weight.gemm_dtype == torch.float32
     if weight.tiles is not None and (gemv or weight.gemm_dtype == torch.float32):
         return lib.tiled_matmul(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
     mins = EMPTY if weight.mins is None else weight.mins
