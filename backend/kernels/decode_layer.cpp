@@ -1,4 +1,4 @@
-// One decoder layer of a decode step (one new token per sequence) in one call, for a layer
+// One decoder layer of a step (decode, verify or prefill rows) in one call, for a layer
 // whose linears are tiles (tiles.cpp): the same steps as llama.py's DecoderLayer, each by our
 // kernels, with no Python between them. At one stream a layer's ~20 torch calls from Python
 // cost more than its non-matmul arithmetic; here they are one.
@@ -24,9 +24,9 @@ torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor
 void tiled_matmul_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias);
 void tiled_matmul_a8_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params,
                          torch::Tensor bias);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window);
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                   torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
+                                   int64_t block_size, double scale, int64_t window);
 
 namespace {
 
@@ -112,12 +112,13 @@ void store_kv(torch::Tensor& cache, int64_t at, const float* row, int64_t n) {
 }  // namespace
 
 // x [T, hidden] float32 contiguous, updated in place and returned. cos, sin [T, D]; keys,
-// values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [T, max_blocks];
-// lens [T]: the paged kernel's operands. int8_activations: the linears take tiles_a8.cpp's
+// values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [B, max_blocks],
+// seq [T], lens [T]: paged_attention_rows' operands (any rows: a decode's, a verify step's, a
+// prefill chunk's). int8_activations: the linears take tiles_a8.cpp's
 // GEMV (the tiles' `Tiles.activations`: QUANT_ACTIVATIONS), else tiles.cpp's.
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
+                           torch::Tensor seq, torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
                            int64_t num_kv_heads, double scale, double eps, bool int8_activations) {
   TORCH_CHECK(weights.size() == kOperands, "decode_layer: the layer's 12 operands");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: float32 [T, hidden]");
@@ -148,7 +149,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
     store_kv(values, sp[t] * KV * D, row + (H + KV) * D, KV * D);
   }
   torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
-  torch::Tensor attn = paged_decode_attention(q, keys, values, tables, lens, block_size, scale, window);
+  torch::Tensor attn = paged_attention_rows(q, keys, values, tables, seq, lens, block_size, scale, window);
   residual(attn.view({T, H * D}), kO, weights[kOBias]);
   torch::Tensor gate_up = linear(rms_norm(x, weights[kPostNorm], eps), kGateUp, torch::Tensor());
   residual(silu_mul(gate_up), kDown, torch::Tensor());

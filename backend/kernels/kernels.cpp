@@ -313,7 +313,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
+                           torch::Tensor seq, torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
                            int64_t num_kv_heads, double scale, double eps, bool int8_activations);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -322,7 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("tiled_matmul", &tiled_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles");
   m.def("tiled_matmul_a8", &tiled_matmul_a8, nogil, "y = quantize_activations(x) @ dequant(W)^T (+ bias), W as formats.Tiles");
-  m.def("decode_layer", &decode_layer, nogil, "one decoder layer of a decode step, its linears tiles, x updated in place");
+  m.def("decode_layer", &decode_layer, nogil, "one decoder layer of a step, its linears tiles, x updated in place");
   m.def("quant_matmul", &quant_matmul, nogil, "y = x @ dequant(W)^T (+ bias), W int8 or int4 group-wise");
   m.def("dequant", &dequant, nogil, "dequant(W) [N, K], float32 or bf16");
   m.def("dense_matmul", &dense_matmul, nogil, "y = x @ w (+ bias), float32, each row's sums in one order");

@@ -133,9 +133,10 @@ void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, in
   for (int64_t c = c0; c < c1; c += 16) {
     int64_t at[16];  // each position's row of this KV head in the cache, -1 outside [from, to)
     for (int64_t i = 0; i < 16; ++i) {
-      const int64_t pos = base + c + i, slot = table[pos / a.block_size] * a.block_size + pos % a.block_size;
-      at[i] = pos < from || pos >= to ? -1 : (slot * a.KV + kvh) * D;
-      if (at[i] < 0) continue;
+      const int64_t pos = base + c + i;
+      at[i] = -1;
+      if (pos < from || pos >= to) continue;
+      at[i] = ((table[pos / a.block_size] * a.block_size + pos % a.block_size) * a.KV + kvh) * D;
       float* widened = s.vs.data() + (c + i) * D;
       if (widen_values) {
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(widened + d, load16(vp + at[i] + d));
@@ -242,12 +243,17 @@ template <int DV, class T>
 void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1, const Span& s) {
   constexpr int kGroup = DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
   for (int i = 0; i < n; i += kGroup) {
+    const Query* q = qs + i;
+    const float* w = sc + i * kSpan;
     switch (std::min(kGroup, n - i)) {
-      case 1: weigh_values<DV, 1, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
-      case 2: weigh_values<DV, 2, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
-      case 3: weigh_values<DV, 3, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
-      case 4: weigh_values<DV, 4, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
-      default: weigh_values<DV, 8, T>(qs + i, sc + i * kSpan, p0, p1, s); break;
+      case 1: weigh_values<DV, 1, T>(q, w, p0, p1, s); break;
+      case 2: weigh_values<DV, 2, T>(q, w, p0, p1, s); break;
+      case 3: weigh_values<DV, 3, T>(q, w, p0, p1, s); break;
+      case 4: weigh_values<DV, 4, T>(q, w, p0, p1, s); break;
+      case 5: weigh_values<DV, 5, T>(q, w, p0, p1, s); break;
+      case 6: weigh_values<DV, 6, T>(q, w, p0, p1, s); break;
+      case 7: weigh_values<DV, 7, T>(q, w, p0, p1, s); break;
+      default: weigh_values<DV, 8, T>(q, w, p0, p1, s); break;
     }
   }
 }

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import EMPTY, PAGED_HEAD_DIMS, dense_matmul, native, rms_norm, rope_, silu_mul
+from backend.kernels import EMPTY, KV_KERNEL_DTYPES, PAGED_HEAD_DIMS, dense_matmul, native, rms_norm, rope_, silu_mul
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import (
     AttentionPlan,
-    DecodeRows,
     PagedKv,
+    QueryRows,
     build_attention_plan,
     paged_attention,
     paged_kv,
@@ -34,12 +34,6 @@ if TYPE_CHECKING:
     from backend.runner.models.mtp import MtpHead
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
-
-# The int8 lm_head's GEMV runs at every row count (the sequences whose logits a step needs, a
-# prefill's prompt logprobs): one path, so a row's logits never depend on how many rows the
-# step has. 49152 x 576 on 2 cores, ms per call, GEMV against the float32 mm: 8 rows 3.3 /
-# 13.1, 16 rows 8.0 / 15.9, 32 rows 15.4 / 26.8, 48 rows 22.3 / 29.4.
-LM_HEAD_GEMV_ROWS = 1 << 30
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,12 +100,13 @@ class DecoderLayer(torch.nn.Module):
                 ]  # fmt: skip
         return self._decode_operands or None
 
-    def decode(self, x: torch.Tensor, rope: Rope, kv: PagedKv, rows: DecodeRows, slots: torch.Tensor) -> torch.Tensor:
-        """`forward` of a decode step (one token per sequence, the paged kernel's `rows`) in
-        one call of our kernel; x is updated in place."""
+    def decode(self, x: torch.Tensor, rope: Rope, kv: PagedKv, rows: QueryRows, slots: torch.Tensor) -> torch.Tensor:
+        """`forward` of a step (any rows: a decode's, a verify step's, prefill chunks') in one
+        call of our kernel, attention by paged_attention_rows over `rows`; x is updated in
+        place. The same kernels as `forward`'s on the CPU: the same numbers, bit for bit."""
         cos, sin = rope
         return native().decode_layer(
-            x, self._decode_operands, cos, sin, kv.keys, kv.values, slots, rows.tables, rows.lens,
+            x, self._decode_operands, cos, sin, kv.keys, kv.values, slots, rows.tables, rows.seq, rows.lens,
             kv.cache.shape[2], rows.window or 0, self.num_heads, self.num_kv_heads, self.scale, self.eps,
             self.qkv_t.tiles.activations == "int8",
         )  # fmt: skip
@@ -205,30 +200,31 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer, kv in zip(self.layers, kvs, strict=True):
             plan = plans[layer.sliding_window]
             if fused:
-                x = layer.decode(x, rope, kv, plan.decode[0], batch.slot_mapping)
+                x = layer.decode(x, rope, kv, plan.rows, batch.slot_mapping)
             else:
                 x = layer(x, rope, kv, batch, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def _fused_decode(self, batch: ForwardBatch, plans: dict[int | None, AttentionPlan], x: torch.Tensor) -> bool:
-        """Whether this step's layers run as one decode_layer call each: a decode (one token
-        per sequence) that the paged kernel attends, float32 on the CPU where our kernels run,
-        no adapters, every layer's linears tiles (`DecoderLayer.decode_operands`)."""
+        """Whether this step's layers run as one decode_layer call each: float32 on the CPU
+        where our kernels run (paged_attention_rows takes every row: `AttentionPlan.rows`), no
+        adapters, a cache the kernel reads, every layer's linears tiles (`decode_operands`)."""
         if batch.lora is not None or x.dtype != torch.float32 or not x.is_cpu or native() is None:
             return False
-        if self.config.head_dim not in PAGED_HEAD_DIMS:
+        if self.config.head_dim not in PAGED_HEAD_DIMS or any(plan.rows is None for plan in plans.values()):
             return False
-        for plan in plans.values():
-            rows = plan.decode[0] if len(plan.decode) == 1 and not plan.prefills else None
-            if rows is None or rows.tables is None or rows.token_rows is not None:
-                return False
+        if not self._paged_kvs or self._paged_kvs[0].keys.dtype not in KV_KERNEL_DTYPES:
+            return False
         return all(layer.decode_operands() is not None for layer in self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        # The int8 lm_head at every row count (a step's sequences, a prefill's prompt logprobs):
+        # one path, so a row's logits never depend on how many rows the step has (against the
+        # float32 table's mm, 49152 x 576 on 2 cores, ms: 8 rows 3.3 / 13.1, 48 rows 22.3 / 29.4).
         if self.lm_head_q is not None:
-            return quant_linear(hidden, self.lm_head_q, gemv_rows=LM_HEAD_GEMV_ROWS).float()
+            return quant_linear(hidden, self.lm_head_q).float()
         return linear(hidden, self.lm_head_t).float()
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> Rope:

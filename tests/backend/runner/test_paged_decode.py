@@ -133,7 +133,7 @@ def test_paged_attention_with_the_kernel_matches_the_gather_and_sdpa_path(monkey
     q, k, v, cache, batch, plan, tables = _decode_step(lengths, 9, 3, 64, window)
     assert plan.decode[0].tables is not None and plan.decode[0].mask is not None  # mixed lengths
     with_kernel = paged_attention(q, k, v, cache.clone(), batch, 0.125, plan)
-    monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
+    monkeypatch.setattr(attention, "paged_attention_rows", lambda *args: None)
     written = cache.clone()
     gathered = paged_attention(q, k, v, written, batch, 0.125, plan)
     assert _relative_error(with_kernel, gathered.double()) < 1e-5
@@ -167,7 +167,7 @@ def test_paged_attention_over_a_float16_cache_rounds_the_new_keys_and_attends_in
     lengths = [70, 3, 33, 128, 1]
     q, k, v, cache, batch, plan, tables = _decode_step(lengths, 9, 3, 64, None)
     if not kernel:
-        monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
+        monkeypatch.setattr(attention, "paged_attention_rows", lambda *args: None)
     half = cache.half()
     got = paged_attention(q, k, v, half, batch, 0.125, plan)
     assert got.dtype == torch.float32

@@ -299,16 +299,3 @@ def test_rms_norm_matches_pytorchs(rows, width):
     want = torch.nn.functional.rms_norm(x.double(), (width,), weight.double(), 1e-5)
     assert _relative_error(got, want) < 1e-6
     assert torch.equal(kernels.rms_norm(x.double(), weight.double(), 1e-5), want)  # elsewhere: PyTorch's own
-
-
-@needs_kernels
-@pytest.mark.parametrize("length", [1, 7, 300])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
-def test_decode_attention_matches_sdpa(length, heads, kv_heads, dim):
-    q = torch.randn(heads, dim)
-    keys, values = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
-    got = kernels.decode_attention(q, keys, values, dim**-0.5)
-    expand = heads // kv_heads
-    k, v = (t.double().transpose(0, 1).repeat_interleave(expand, 0) for t in (keys, values))  # [H, L, D]
-    want = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], k, v, scale=dim**-0.5)[:, 0]
-    assert _relative_error(got, want) < 1e-6
