@@ -111,6 +111,7 @@ inline void transpose16_half(const __m256i (&r)[16], __m512 (&out)[16]) {
 struct Span {
   std::vector<float> kt, vs, scores;
   std::vector<const void*> vrow;
+  std::vector<int64_t> at;
 };
 
 inline void load_block(const float* kp, const int64_t* at, __m512 (&r)[16]) {
@@ -126,27 +127,44 @@ inline void load_block(const uint16_t* kp, const int64_t* at, __m512 (&r)[16]) {
   transpose16_half(h, r);
 }
 
+// A chunk's cached rows (16 positions' keys and values of one KV head, `at`: their offsets, -1
+// none) fetched ahead: the block table scatters blocks where no hardware prefetcher looks.
+template <class T>
+inline void prefetch_rows(const T* kp, const T* vp, const int64_t* at, int64_t D) {
+  for (int i = 0; i < 16; ++i) {
+    if (at[i] < 0) continue;
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kp + at[i]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + at[i]) + b, _MM_HINT_T0);
+    }
+  }
+}
+
 template <class T>
 void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, int64_t kvh, int64_t base,
                int64_t from, int64_t to, bool widen_values, Span& s) {
   const int64_t D = a.D, c0 = (from - base) / 16 * 16, c1 = (to - base + 15) / 16 * 16;
+  int64_t* at = s.at.data();  // each position's row of this KV head in the cache, -1 outside [from, to)
+  for (int64_t p = c0; p < c1; ++p) {
+    const int64_t pos = base + p;
+    at[p] = pos < from || pos >= to ? -1
+                                    : ((table[pos / a.block_size] * a.block_size + pos % a.block_size) * a.KV + kvh) * D;
+  }
+  prefetch_rows(kp, vp, at + c0, D);
   for (int64_t c = c0; c < c1; c += 16) {
-    int64_t at[16];  // each position's row of this KV head in the cache, -1 outside [from, to)
-    for (int64_t i = 0; i < 16; ++i) {
-      const int64_t pos = base + c + i;
-      at[i] = -1;
-      if (pos < from || pos >= to) continue;
-      at[i] = ((table[pos / a.block_size] * a.block_size + pos % a.block_size) * a.KV + kvh) * D;
-      float* widened = s.vs.data() + (c + i) * D;
+    if (c + 16 < c1) prefetch_rows(kp, vp, at + c + 16, D);
+    for (int64_t i = c; i < c + 16; ++i) {
+      if (at[i] < 0) continue;
+      float* widened = s.vs.data() + i * D;
       if (widen_values) {
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(widened + d, load16(vp + at[i] + d));
       }
-      s.vrow[c + i] = widen_values ? static_cast<const void*>(widened) : static_cast<const void*>(vp + at[i]);
+      s.vrow[i] = widen_values ? static_cast<const void*>(widened) : static_cast<const void*>(vp + at[i]);
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 r[16];
       int64_t cols[16];
-      for (int i = 0; i < 16; ++i) cols[i] = at[i] < 0 ? -1 : at[i] + d0;
+      for (int i = 0; i < 16; ++i) cols[i] = at[c + i] < 0 ? -1 : at[c + i] + d0;
       load_block(kp, cols, r);
       for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(s.kt.data() + (d0 + j) * kSpan + c, r[j]);
     }
@@ -379,7 +397,7 @@ void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
   const int64_t units = static_cast<int64_t>(p.units.size());
   const auto run = [&](int64_t begin, int64_t end) {
     Span s{std::vector<float>(static_cast<size_t>(a.D * kSpan)), std::vector<float>(static_cast<size_t>(kSpan * a.D)),
-           std::vector<float>(static_cast<size_t>(kScoreGroup * kSpan)), std::vector<const void*>(kSpan)};
+           std::vector<float>(static_cast<size_t>(kScoreGroup * kSpan)), std::vector<const void*>(kSpan), std::vector<int64_t>(kSpan)};
     std::vector<Query> qs;
     for (int64_t i = begin; i < end; ++i) attend_unit(a, p, p.units[i], kp, vp, parts, s, qs);
   };
