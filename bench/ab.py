@@ -66,7 +66,9 @@ print("RESULT" + json.dumps(out))
 
 def worktree(rev: str) -> Path:
     """REV checked out under build/ab/ (once), its kernels built."""
-    sha = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = Path("build/ab") / sha
     if not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], check=True)
@@ -97,11 +99,17 @@ def main(argv: list[str] | None = None) -> None:
         for name in list(trees) if i % 2 == 0 else list(trees)[::-1]:
             for key, value in measure(trees[name]).items():
                 rounds[name].setdefault(key, []).append(value)
-            print(f"round {i + 1}, {name}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in rounds[name].items()), flush=True)
+            print(
+                f"round {i + 1}, {name}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in rounds[name].items()), flush=True
+            )
     print(f"\n{'':34}{'before':>10}{'after':>10}{'after/before':>14}   rounds (before | after)")
     for key in rounds["after"]:
         before, after = (statistics.median(rounds[name][key]) for name in ("before", "after"))
-        cells = " ".join(f"{v:.3g}" for v in rounds["before"][key]) + " | " + " ".join(f"{v:.3g}" for v in rounds["after"][key])
+        cells = (
+            " ".join(f"{v:.3g}" for v in rounds["before"][key])
+            + " | "
+            + " ".join(f"{v:.3g}" for v in rounds["after"][key])
+        )
         print(f"{key:34}{before:>10.3g}{after:>10.3g}{after / before:>13.3f}x   {cells}")
 
 

@@ -1,11 +1,10 @@
 """Speculative decoding against plain decoding (`disable_mtp`), in one engine and one run.
 
-Each workload runs its requests twice on the same in-process engine (SPECULATIVE=auto,
-the default; prefix caching off, so neither run reuses the other's KV), plain first,
-then speculating; the tokens are the same both times (greedy, lossless; with the default
-model's default int8 activations a verify step's rows can round apart from a decode step's,
-docs/quantization.md, so an answer may part from the plain one late), so the figures
-compare like with like:
+Each workload runs its requests twice on the same in-process engine, with the server's
+defaults (QUANT=auto: int4 blocks, int8 activations, float16 KV; SPECULATIVE=auto; prefix
+caching off, so neither run reuses the other's KV), plain first, then speculating; the
+tokens are the same both times (greedy, lossless: a verify step's rows get a decode step's
+logits bit for bit), so the figures compare like with like:
 
 - code editing with Predicted Outputs: a ~300-token function, "rename this variable",
   the original as the prediction;
@@ -143,7 +142,9 @@ def measure(model_path: str) -> dict[str, dict[str, dict]]:
     from tests.helpers.spec_models import build_truncated_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engine = LLMEngine(EngineConfig(model_path=model_path, enable_prefix_caching=False))
+    # the server's default arithmetic (QUANT=auto: the default model's int4 blocks, int8
+    # activations, a float16 KV cache), where a verify step gives each row a decode's logits
+    engine = LLMEngine(EngineConfig(model_path=model_path, quant="auto", enable_prefix_caching=False))
     cases = {f"{w}, 1 stream": [requests_for(tokenizer, w, 0)] for w in WORKLOADS}
     cases |= {f"{w}, 16 streams": [requests_for(tokenizer, w, i) for i in range(16)] for w in WORKLOADS}
     cases["mixed, 16 streams"] = [requests_for(tokenizer, WORKLOADS[i % 3], i) for i in range(16)]
@@ -153,7 +154,8 @@ def measure(model_path: str) -> dict[str, dict[str, dict]]:
     # a draft model: the only smaller model with this tokenizer here is the model's own
     # first 12 layers, a poor guesser; auto must notice and stop drafting with it
     draft = build_truncated_model(Path(model_path), Path("build/models/SmolLM2-first-12-layers"), 12)
-    engine = LLMEngine(EngineConfig(model_path=model_path, enable_prefix_caching=False, spec_draft_model=str(draft)))
+    engine = LLMEngine(EngineConfig(model_path=model_path, quant="auto", enable_prefix_caching=False,
+                                    spec_draft_model=str(draft)))  # fmt: skip
     figures |= _compare(engine, {"open, 1 stream, draft model": cases["open, 1 stream"]})
     return figures
 

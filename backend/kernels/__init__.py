@@ -1,8 +1,10 @@
 """Our CPU kernels (AVX-512, the .cpp files here): the quantized matmul's GEMV / dequantize
-(kernels.cpp, tiles.cpp, tiles_a8.cpp), rms_norm, the decode attention (paged_attention.cpp),
-a decoder layer's whole decode step (decode_layer.cpp) and the sampler's first maximum
-(first_max.cpp). build.py compiles them once per machine (`python -m backend.kernels`);
-ops.py holds the wrappers the runner calls. The quantized matmul's choice of path is
+(kernels.cpp, tiles.cpp, tiles_a8.cpp), the float32 matmul (dense.cpp), rms_norm, the paged
+attention of every query row (paged_attention.cpp), a decoder layer's whole step
+(decode_layer.cpp, and its RoPE and SiLU for the layer-by-layer path) and the sampler's
+first maximum (first_max.cpp); every one takes a row's sums in one order whatever the batch.
+build.py compiles them once per machine (`python -m backend.kernels`); ops.py holds the
+wrappers the runner calls. The quantized matmul's choice of path is
 backend/runner/quant/matmul.py's: this package imports nothing of backend.runner.
 bench/quant_kernels.py measures the matmul against PyTorch's own kernels."""
 
@@ -14,9 +16,9 @@ from backend.kernels.ops import (
     dense_matmul,
     paged_attention_rows,
     paged_decode_attention,
-    silu_mul,
     rms_norm,
     rope_,
+    silu_mul,
 )
 
 __all__ = [

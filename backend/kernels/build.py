@@ -20,7 +20,13 @@ _FOLDER = Path(__file__).parent
 _SOURCES = [
     str(_FOLDER / name)
     for name in (
-        "kernels.cpp", "paged_attention.cpp", "tiles.cpp", "tiles_a8.cpp", "decode_layer.cpp", "first_max.cpp", "dense.cpp"
+        "kernels.cpp",
+        "paged_attention.cpp",
+        "tiles.cpp",
+        "tiles_a8.cpp",
+        "decode_layer.cpp",
+        "first_max.cpp",
+        "dense.cpp",
     )  # fmt: skip
 ]
 # -ffp-contract=off: the dequantization multiplies then adds, as the reference does

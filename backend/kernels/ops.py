@@ -1,7 +1,8 @@
 """Our CPU kernels that are not the quantized matmul, each with the caller's fallback where
 they cannot run: rms_norm, silu_mul and the paged attention of query rows (one arithmetic
-for decode, verify and prefill rows: batch-invariant). The quantized matmul is backend/runner/quant/matmul.py; the sampler's first_max and the
-decoder layer's decode_layer are called on `native()` directly."""
+for decode, verify and prefill rows: batch-invariant). The quantized matmul is
+backend/runner/quant/matmul.py; the sampler's first_max and the decoder layer's decode_layer
+are called on `native()` directly."""
 
 from __future__ import annotations
 

@@ -1,14 +1,17 @@
-"""Paged attention in plain torch, over the KV cache layout of backend/forward_batch.py.
+"""Paged attention over the KV cache layout of backend/forward_batch.py.
 
-The model builds one `AttentionPlan` per forward (and per distinct sliding window) and
-reuses it in every layer, so the gather indices and masks cost once per step, not once
-per layer. Short queries (a decode's one token, a verify step's 1 + k) run as one
-batched SDPA call per query length over their gathered, padded contexts; longer
+On the CPU (our kernels built) every query row of a step, decode, verify or prefill, goes to
+one kernel, `paged_attention_rows` (backend/kernels/paged_attention.cpp), each row over its
+own positions: a row's numbers never depend on the rest of the step (batch invariance).
+Elsewhere, plain torch: the model builds one `AttentionPlan` per forward (and per distinct
+sliding window) and reuses it in every layer, so the gather indices and masks cost once
+per step, not once per layer. Short queries (a decode's one token, a verify step's 1 + k)
+run as one batched SDPA call per query length over their gathered, padded contexts; longer
 prefill chunks run one SDPA call per sequence, batched ([1, H, T, D]: 3-D inputs take
-SDPA's slow path). A chunk after cached context, on the CPU, runs as two unmasked flash
-calls merged by their logsumexps (`_split_attention`) instead of SDPA under a [Tq, L]
-mask: a 512-token chunk at 4,000 positions, 9 query heads over 3 KV heads, 2 cores, took
-102 ms a layer 3-D and masked, 36 batched and masked, 30 split (min of 30, alternated).
+SDPA's slow path). A chunk after cached context, on a CPU without our kernels, runs as two
+unmasked flash calls merged by their logsumexps (`_split_attention`) instead of SDPA under
+a [Tq, L] mask: a 512-token chunk at 4,000 positions, 9 query heads over 3 KV heads, 2
+cores, took 102 ms a layer 3-D and masked, 36 batched and masked, 30 split.
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def _query_rows(batch: ForwardBatch, sliding_window: int | None) -> QueryRows | 
         seq += [i] * n
         lens += range(ctx - n + 1, ctx + 1)
     tables = batch.block_tables.to(torch.int64).contiguous()
-    return QueryRows(tables, torch.tensor(seq, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64), sliding_window)
+    return QueryRows(
+        tables, torch.tensor(seq, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64), sliding_window
+    )
 
 
 def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

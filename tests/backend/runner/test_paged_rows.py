@@ -52,14 +52,18 @@ def test_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
     want = _reference(q, *kv, tables, seq, lens, scale, window)
     assert (got.double() - want).abs().max().item() < 5e-6
     for r in range(len(seq)):  # alone, and beside other rows in another order
-        alone = kernels.paged_attention_rows(q[r : r + 1], kv, tables, seq[r : r + 1], lens[r : r + 1], BLOCK, scale, window)
+        alone = kernels.paged_attention_rows(
+            q[r : r + 1], kv, tables, seq[r : r + 1], lens[r : r + 1], BLOCK, scale, window
+        )
         assert torch.equal(alone[0], got[r])
     # the prefill chunk's last row is the decode of that position
     decode = kernels.paged_decode_attention(q[-1:], kv, tables[3:4], lens[-1:], BLOCK, scale, window)
     assert torch.equal(decode[0], got[-1])
     # the chunk cut in two (a smaller prefill budget): the same rows
     first, second = (slice(5, 25), slice(25, 45))
-    parts = [kernels.paged_attention_rows(q[s], kv, tables, seq[s], lens[s], BLOCK, scale, window) for s in (first, second)]
+    parts = [
+        kernels.paged_attention_rows(q[s], kv, tables, seq[s], lens[s], BLOCK, scale, window) for s in (first, second)
+    ]
     assert torch.equal(torch.cat(parts), got[5:])
 
 
