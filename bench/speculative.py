@@ -8,8 +8,8 @@ logits bit for bit), so the figures compare like with like:
 
 - code editing with Predicted Outputs: a ~300-token function, "rename this variable",
   the original as the prediction;
-- n-gram (prompt lookup) on an answer that quotes its prompt: "repeat the list and
-  add one item";
+- n-gram (prompt lookup) on an answer that quotes its prompt: "sort this list and print
+  it again";
 - an open-ended answer, with little to look up: auto must not make it slower;
 - 16 streams of the three, mixed;
 - the open-ended answer again with a draft model (SPEC_DRAFT_MODEL, auto): the model's
@@ -98,8 +98,10 @@ def requests_for(tokenizer, workload: str, index: int):
         prediction = tokenizer.encode(original, add_special_tokens=False)
         return _chat(tokenizer, ask + original), tuple(prediction), 360
     if workload == "ngram":
-        items = ITEMS[index % 5 :] + ITEMS[: index % 5]
-        ask = "Repeat this list exactly, then add one more fruit at the end:\n" + "\n".join(f"- {x}" for x in items)
+        # the list rotated, so sorting moves it: both modes answer by quoting it (asked to repeat
+        # it and add one, the default mode's int8 activations listed other fruit: nothing to look up)
+        items = ITEMS[3 + index % 5 :] + ITEMS[: 3 + index % 5]
+        ask = "Sort this list alphabetically and print it again, one per line:\n" + "\n".join(f"- {x}" for x in items)
         return _chat(tokenizer, ask), (), 200
     return _chat(tokenizer, OPEN[index % len(OPEN)] + f" (take {index})"), (), 200
 
