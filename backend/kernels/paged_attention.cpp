@@ -388,16 +388,26 @@ void merge_row(const Rows& a, const Plan& p, const Partials& parts, int64_t r, f
   }
 }
 
+// Buffers kept across calls, grown to the largest step (a fresh one each call was zeroed and
+// page-faulted in: a 512-row chunk at 8,192 positions has 38 MB of partials a layer). Every
+// element a call reads, it wrote first.
+template <class V>
+V& grown(V& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(static_cast<size_t>(size));
+  return buffer;
+}
+
 template <class T>
 void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
   const Plan p = plan_rows(a);
-  Partials parts{std::vector<float>(static_cast<size_t>(p.parts * a.H * a.D)),
-                 std::vector<float>(static_cast<size_t>(p.parts * a.H)),
-                 std::vector<float>(static_cast<size_t>(p.parts * a.H))};
+  static thread_local Partials kept;  // the calling thread's (the engine's)
+  Partials& parts = kept;  // a reference the workers capture (a thread_local name is each thread's own)
+  grown(parts.acc, p.parts * a.H * a.D), grown(parts.top, p.parts * a.H), grown(parts.total, p.parts * a.H);
   const int64_t units = static_cast<int64_t>(p.units.size());
   const auto run = [&](int64_t begin, int64_t end) {
-    Span s{std::vector<float>(static_cast<size_t>(a.D * kSpan)), std::vector<float>(static_cast<size_t>(kSpan * a.D)),
-           std::vector<float>(static_cast<size_t>(kScoreGroup * kSpan)), std::vector<const void*>(kSpan), std::vector<int64_t>(kSpan)};
+    static thread_local Span s;  // each worker thread's
+    grown(s.kt, a.D * kSpan), grown(s.vs, kSpan * a.D), grown(s.scores, kScoreGroup * kSpan);
+    grown(s.vrow, kSpan), grown(s.at, kSpan);
     std::vector<Query> qs;
     for (int64_t i = begin; i < end; ++i) attend_unit(a, p, p.units[i], kp, vp, parts, s, qs);
   };
