@@ -104,7 +104,8 @@ inline void transpose16_half(const __m256i (&r)[16], __m512 (&out)[16]) {
   }
 }
 
-// A unit's span of one KV head: keys as float32 transposed, kt[d * kSpan + p] (p the position
+// A unit's span of one KV head: keys as float32 transposed by chunks of 16 positions,
+// kt[c * D + d * 16 + i] for position p = c + i (c a multiple of 16; p the position
 // less the span's first; positions outside [from, to) of the chunks touched are zero), and
 // each position's value row, vrow[p]: in the cache, or (a float16 cache read by many queries)
 // widened once into vs[p * D].
@@ -145,10 +146,14 @@ void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, in
                int64_t from, int64_t to, bool widen_values, Span& s) {
   const int64_t D = a.D, c0 = (from - base) / 16 * 16, c1 = (to - base + 15) / 16 * 16;
   int64_t* at = s.at.data();  // each position's row of this KV head in the cache, -1 outside [from, to)
-  for (int64_t p = c0; p < c1; ++p) {
-    const int64_t pos = base + p;
-    at[p] = pos < from || pos >= to ? -1
-                                    : ((table[pos / a.block_size] * a.block_size + pos % a.block_size) * a.KV + kvh) * D;
+  for (int64_t p = c0; p < c1;) {  // one division a block: a block's positions are consecutive slots
+    const int64_t pos = base + p, offset = pos % a.block_size;
+    const int64_t run = std::min(a.block_size - offset, c1 - p);
+    const bool seen = pos < to && pos + run > from;  // the table read only for a block of the context
+    const int64_t first = seen ? (table[pos / a.block_size] * a.block_size + offset) * a.KV + kvh : 0;
+    for (int64_t i = 0; i < run; ++i, ++p) {
+      at[p] = base + p < from || base + p >= to ? -1 : (first + i * a.KV) * D;
+    }
   }
   prefetch_rows(kp, vp, at + c0, D);
   for (int64_t c = c0; c < c1; c += 16) {
@@ -166,7 +171,7 @@ void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, in
       int64_t cols[16];
       for (int i = 0; i < 16; ++i) cols[i] = at[c + i] < 0 ? -1 : at[c + i] + d0;
       load_block(kp, cols, r);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(s.kt.data() + (d0 + j) * kSpan + c, r[j]);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(s.kt.data() + c * D + (d0 + j) * 16, r[j]);
     }
   }
 }
@@ -183,12 +188,12 @@ struct Query {  // one (row, query head) of a unit: its positions [from, to) in 
 template <int NQ, int CH>
 inline void score_chunks(const Query* qs, int64_t D, int64_t base, int64_t c, float scale, Span& s) {
   __m512 acc[CH][NQ];
-  const float* k = s.kt.data() + c;
+  const float* k = s.kt.data() + c * D;  // chunk h at k + h * 16 * D, its d-th row 16 floats on
   for (int h = 0; h < CH; ++h)
-    for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_mul_ps(_mm512_set1_ps(qs[i].q[0]), _mm512_loadu_ps(k + h * 16));
+    for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_mul_ps(_mm512_set1_ps(qs[i].q[0]), _mm512_loadu_ps(k + h * 16 * D));
   for (int64_t d = 1; d < D; ++d) {
     for (int h = 0; h < CH; ++h) {
-      const __m512 kd = _mm512_loadu_ps(k + d * kSpan + h * 16);
+      const __m512 kd = _mm512_loadu_ps(k + h * 16 * D + d * 16);
       for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i].q[d]), kd, acc[h][i]);
     }
   }
