@@ -9,9 +9,10 @@
 // work is cut among threads. The positions are cut into spans of kSpan, aligned to absolute
 // positions (0, 256, 512 ...), so a span's partial (its largest score, its numerators' sum,
 // its unnormalized exp(scores - top) v) is the same whether the row is a decode or a prefill
-// chunk's. In a span, a score is q . k as one chain of multiply-adds over d in order (keys
-// transposed so 16 positions share a vector), the numerators are summed in 16 lanes by
-// position mod 16 then reduced in _mm512_reduce_add_ps's order, and v is accumulated in
+// chunk's. In a span, a score is q . k as a chain of multiply-adds over d in 16 lanes, the
+// lanes then added in one fixed order (hsum16: a decode's rows one at a time, a prefill
+// tile's 16 at once by hsum16x16, the same additions), the numerators are summed in 16 lanes
+// by position mod 16 then reduced in _mm512_reduce_add_ps's order, and v is accumulated in
 // position order. Rows that share a unit (a sequence's tile of rows, a KV head, a span) share
 // the loads; a row's lanes outside its own range hold exactly 0 (its sums and products
 // unchanged). The spans merge in order, as one softmax over the whole context. Our softmax's
@@ -32,6 +33,7 @@ namespace {
 constexpr int64_t kSpan = 256;     // positions per span: 16 blocks of 16
 constexpr int64_t kRowTile = 16;   // rows of one sequence a unit takes (a prefill chunk's tokens)
 constexpr int kScoreGroup = 8;     // queries whose scores share each key load
+constexpr int64_t kScoreRow = kSpan + 16;  // a query's scores: rows 4 KiB apart would alias in L1
 
 struct Rows {  // the operands, as pointers
   const float* q;          // [N, H, D]
@@ -50,83 +52,45 @@ inline int64_t first_seen(const Rows& a, int64_t r) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// r[i] <- column i of the 16 x 16 block r (rows r[0..15]).
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5 | ...
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7 | ...
-  }
-  for (int i = 0; i < 16; i += 4) {  // lane k of r[i + j]: column 4k + j of rows i .. i + 3
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {  // rows 0-3 with 4-7, 8-11 with 12-15: 128-bit lanes 0, 2 and 1, 3
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {  // then the halves: lanes (0, 2) of both, (1, 3) of both
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
+// The sum of v's 16 lanes in one fixed order: lane i with i + 8, then i + 4, i + 2, i + 1.
+inline float hsum16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// r[i] <- column i of the 16 x 16 block of float16 bits r (rows r[0..15]), widened to float32
-// (exact): the transpose on 16-bit lanes, half the width of float32's.
-inline void transpose16_half(const __m256i (&r)[16], __m512 (&out)[16]) {
-  __m256i a[16], b[16];
-  for (int i = 0; i < 16; i += 2) {  // lane k: elements 4k'.. of rows i, i + 1 interleaved
-    a[i] = _mm256_unpacklo_epi16(r[i], r[i + 1]);
-    a[i + 1] = _mm256_unpackhi_epi16(r[i], r[i + 1]);
+// hsum16 of 16 vectors at once, in hsum16's order: lane j of the result is hsum16(v[j]).
+inline __m512 hsum16x16(const __m512 (&v)[16]) {
+  __m512 u[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k) {  // lane i of each 8: i + 8
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
   }
-  for (int i = 0; i < 16; i += 4) {  // rows i .. i + 3 of 2 elements a 128-bit lane
-    b[i] = _mm256_unpacklo_epi32(a[i], a[i + 2]);
-    b[i + 1] = _mm256_unpackhi_epi32(a[i], a[i + 2]);
-    b[i + 2] = _mm256_unpacklo_epi32(a[i + 1], a[i + 3]);
-    b[i + 3] = _mm256_unpackhi_epi32(a[i + 1], a[i + 3]);
+  for (int k = 0; k < 4; ++k) {  // chunk m of w[k]: v[4k + m]'s i + 4
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
   }
-  for (int i = 0; i < 16; i += 8) {  // rows i .. i + 7 of 1 element a 128-bit lane
-    for (int j = 0; j < 4; ++j) {
-      a[i + 2 * j] = _mm256_unpacklo_epi64(b[i + j], b[i + 4 + j]);
-      a[i + 2 * j + 1] = _mm256_unpackhi_epi64(b[i + j], b[i + 4 + j]);
-    }
+  for (int k = 0; k < 2; ++k) {  // chunk m of x[k]: v[8k + m]'s i + 2 (lanes 0, 1), v[8k + 4 + m]'s (2, 3)
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  // a[i + c] (i = 0, 8; c = 0..7): rows i .. i + 7 of element c (lane 0) and c + 8 (lane 1)
-  for (int c = 0; c < 8; ++c) {
-    out[c] = _mm512_cvtph_ps(_mm256_permute2x128_si256(a[c], a[8 + c], 0x20));
-    out[c + 8] = _mm512_cvtph_ps(_mm256_permute2x128_si256(a[c], a[8 + c], 0x31));
-  }
+  // lane 4m + l: v[4l + m]'s sum; put v[j]'s in lane j
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), y);
 }
 
-// A unit's span of one KV head: keys as float32 transposed by chunks of 16 positions,
-// kt[c * D + d * 16 + i] for position p = c + i (c a multiple of 16; p the position
-// less the span's first; positions outside [from, to) of the chunks touched are zero), and
-// each position's value row, vrow[p]: in the cache, or (a float16 cache read by many queries)
-// widened once into vs[p * D].
+// A unit's span of one KV head: each position's key and value rows, krow[p] and vrow[p] (p the
+// position less the span's first), in the cache, or (a float16 cache read by many queries)
+// widened once into ks / vs[p * D]; at[p]: the rows' offset in the cache, -1 outside [from, to).
 struct Span {
-  std::vector<float> kt, vs, scores;
-  std::vector<const void*> vrow;
+  std::vector<float> ks, vs, scores;
+  std::vector<const void*> krow, vrow;
   std::vector<int64_t> at;
 };
-
-inline void load_block(const float* kp, const int64_t* at, __m512 (&r)[16]) {
-  for (int i = 0; i < 16; ++i) r[i] = at[i] < 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(kp + at[i]);
-  transpose16(r);
-}
-
-inline void load_block(const uint16_t* kp, const int64_t* at, __m512 (&r)[16]) {
-  __m256i h[16];
-  for (int i = 0; i < 16; ++i) {
-    h[i] = at[i] < 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + at[i]));
-  }
-  transpose16_half(h, r);
-}
 
 // A chunk's cached rows (16 positions' keys and values of one KV head, `at`: their offsets, -1
 // none) fetched ahead: the block table scatters blocks where no hardware prefetcher looks.
@@ -143,7 +107,7 @@ inline void prefetch_rows(const T* kp, const T* vp, const int64_t* at, int64_t D
 
 template <class T>
 void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, int64_t kvh, int64_t base,
-               int64_t from, int64_t to, bool widen_values, Span& s) {
+               int64_t from, int64_t to, bool widen, Span& s) {
   const int64_t D = a.D, c0 = (from - base) / 16 * 16, c1 = (to - base + 15) / 16 * 16;
   int64_t* at = s.at.data();  // each position's row of this KV head in the cache, -1 outside [from, to)
   for (int64_t p = c0; p < c1;) {  // one division a block: a block's positions are consecutive slots
@@ -155,23 +119,24 @@ void load_span(const Rows& a, const T* kp, const T* vp, const int64_t* table, in
       at[p] = base + p < from || base + p >= to ? -1 : (first + i * a.KV) * D;
     }
   }
+  const void **krow = s.krow.data(), **vrow = s.vrow.data();
+  float *ks = s.ks.data(), *vs = s.vs.data();
   prefetch_rows(kp, vp, at + c0, D);
   for (int64_t c = c0; c < c1; c += 16) {
     if (c + 16 < c1) prefetch_rows(kp, vp, at + c + 16, D);
     for (int64_t i = c; i < c + 16; ++i) {
+      krow[i] = vrow[i] = nullptr;
       if (at[i] < 0) continue;
-      float* widened = s.vs.data() + i * D;
-      if (widen_values) {
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(widened + d, load16(vp + at[i] + d));
+      if (!widen) {
+        krow[i] = kp + at[i], vrow[i] = vp + at[i];
+        continue;
       }
-      s.vrow[i] = widen_values ? static_cast<const void*>(widened) : static_cast<const void*>(vp + at[i]);
-    }
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      __m512 r[16];
-      int64_t cols[16];
-      for (int i = 0; i < 16; ++i) cols[i] = at[c + i] < 0 ? -1 : at[c + i] + d0;
-      load_block(kp, cols, r);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(s.kt.data() + c * D + (d0 + j) * 16, r[j]);
+      float *k = ks + i * D, *v = vs + i * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(k + d, load16(kp + at[i] + d));
+        _mm512_storeu_ps(v + d, load16(vp + at[i] + d));
+      }
+      krow[i] = k, vrow[i] = v;
     }
   }
 }
@@ -182,39 +147,62 @@ struct Query {  // one (row, query head) of a unit: its positions [from, to) in 
   int64_t from, to;
 };
 
-// Scores of queries qs[0..NQ) over CH chunks of 16 positions from c: each query's 16 lanes a
-// chain of multiply-adds over d, times scale, -inf outside its own positions. (CH chunks at
-// once: more independent chains where a few queries would wait on the multiply-add's latency.)
-template <int NQ, int CH>
-inline void score_chunks(const Query* qs, int64_t D, int64_t base, int64_t c, float scale, Span& s) {
-  __m512 acc[CH][NQ];
-  const float* k = s.kt.data() + c * D;  // chunk h at k + h * 16 * D, its d-th row 16 floats on
-  for (int h = 0; h < CH; ++h)
-    for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_mul_ps(_mm512_set1_ps(qs[i].q[0]), _mm512_loadu_ps(k + h * 16 * D));
-  for (int64_t d = 1; d < D; ++d) {
-    for (int h = 0; h < CH; ++h) {
-      const __m512 kd = _mm512_loadu_ps(k + h * 16 * D + d * 16);
-      for (int i = 0; i < NQ; ++i) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i].q[d]), kd, acc[h][i]);
-    }
-  }
-  for (int h = 0; h < CH; ++h) {
-    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + c + h * 16)),
-                                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    for (int i = 0; i < NQ; ++i) {
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(qs[i].from))) &
-                             _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(qs[i].to)));
-      const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(acc[h][i], _mm512_set1_ps(scale)));
-      _mm512_storeu_ps(s.scores.data() + i * kSpan + c + h * 16, v);
+// A score is q . k as hsum16 of the chain q[0:16] * k[0:16] + q[16:32] * k[16:32] + ... (one
+// multiply, then multiply-adds), times scale; -inf at the positions of its chunks it does not
+// see. Two loops give these numbers: a few queries (a decode's) take each key row once for all
+// of them (scores_rows); many (a prefill tile's) take 16 positions at a time, their 16 chains
+// summed together by hsum16x16 (scores_chunks).
+template <int DV>
+inline __m512 chain(const float* q, const __m512 (&k)[DV]) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+  for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d * 16), k[d], acc);
+  return acc;
+}
+
+inline void fill_unseen(const Query& q, int64_t base, float* sc) {
+  const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
+  for (int64_t c = q0; c < q1; c += 16) _mm512_storeu_ps(sc + c, _mm512_set1_ps(-INFINITY));
+}
+
+template <int DV, class T>
+void scores_rows(const Query* qs, int n, int64_t base, int64_t p0, int64_t p1, float scale, Span& s) {
+  for (int i = 0; i < n; ++i) fill_unseen(qs[i], base, s.scores.data() + i * kScoreRow);
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* row = static_cast<const T*>(s.krow[p]);
+    __m512 k[DV];
+    for (int d = 0; d < DV; ++d) k[d] = load16(row + d * 16);
+    for (int i = 0; i < n; ++i) {
+      if (base + p < qs[i].from || base + p >= qs[i].to) continue;
+      s.scores[i * kScoreRow + p] = hsum16(chain<DV>(qs[i].q, k)) * scale;
     }
   }
 }
 
-template <int NQ>
-void scores(const Query* qs, int64_t D, int64_t base, int64_t c0, int64_t c1, float scale, Span& s) {
-  constexpr int kChunks = NQ <= 2 ? 4 : NQ <= 4 ? 2 : 1;
-  int64_t c = c0;
-  for (; c + 16 * kChunks <= c1; c += 16 * kChunks) score_chunks<NQ, kChunks>(qs, D, base, c, scale, s);
-  for (; c < c1; c += 16) score_chunks<NQ, 1>(qs, D, base, c, scale, s);
+template <int DV>
+void scores_chunks(const Query* qs, int n, int64_t base, float scale, Span& s) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int i = 0; i < n; ++i) {
+    const Query& q = qs[i];
+    const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
+    for (int64_t c = q0; c < q1; c += 16) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const float* row = static_cast<const float*>(s.krow[c + j]);
+        if (row == nullptr) {
+          acc[j] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 k[DV];
+        for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(row + d * 16);
+        acc[j] = chain<DV>(q.q, k);
+      }
+      const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + c)), lanes);
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(q.from))) &
+                             _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(q.to)));
+      const __m512 v = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s.scores.data() + i * kScoreRow + c, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, v));
+    }
+  }
 }
 
 // A query's scores (row i of the unit's scores) -> exp(score - top), 0 outside its positions,
@@ -254,7 +242,7 @@ void weigh_values(const Query* qs, const float* sc, int64_t p0, int64_t p1, cons
     const T* row = static_cast<const T*>(s.vrow[p]);
     for (int d = 0; d < DV; ++d) v[d] = load16(row + d * 16);
     for (int i = 0; i < NQ; ++i) {
-      const __m512 w = _mm512_set1_ps(sc[i * kSpan + p]);
+      const __m512 w = _mm512_set1_ps(sc[i * kScoreRow + p]);
       for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
     }
   }
@@ -267,7 +255,7 @@ void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1
   constexpr int kGroup = DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
   for (int i = 0; i < n; i += kGroup) {
     const Query* q = qs + i;
-    const float* w = sc + i * kSpan;
+    const float* w = sc + i * kScoreRow;
     switch (std::min(kGroup, n - i)) {
       case 1: weigh_values<DV, 1, T>(q, w, p0, p1, s); break;
       case 2: weigh_values<DV, 2, T>(q, w, p0, p1, s); break;
@@ -281,27 +269,30 @@ void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1
   }
 }
 
-// Queries qs[0..n) (n <= kScoreGroup) of one unit, the span loaded (its value rows T): their partials.
-template <class T>
-void attend_group(const Query* qs, int n, int64_t D, int64_t base, float scale, Span& s) {
+// Queries qs[0..n) (n <= kScoreGroup) of one unit, the span loaded (its rows T; `widened`:
+// float copies, read by the chunked loop): their partials.
+template <int DV, class T>
+void attend_group(const Query* qs, int n, int64_t base, float scale, bool widened, Span& s) {
   int64_t p0 = qs[0].from, p1 = qs[0].to;
   for (int i = 1; i < n; ++i) p0 = std::min(p0, qs[i].from), p1 = std::max(p1, qs[i].to);
   const int64_t c0 = (p0 - base) / 16 * 16, c1 = (p1 - base + 15) / 16 * 16;
-  switch (n) {
-    case 1: scores<1>(qs, D, base, c0, c1, scale, s); break;
-    case 2: scores<2>(qs, D, base, c0, c1, scale, s); break;
-    case 3: scores<3>(qs, D, base, c0, c1, scale, s); break;
-    case 4: scores<4>(qs, D, base, c0, c1, scale, s); break;
-    case 5: scores<5>(qs, D, base, c0, c1, scale, s); break;
-    case 6: scores<6>(qs, D, base, c0, c1, scale, s); break;
-    case 7: scores<7>(qs, D, base, c0, c1, scale, s); break;
-    default: scores<8>(qs, D, base, c0, c1, scale, s); break;
+  if (widened) {
+    scores_chunks<DV>(qs, n, base, scale, s);
+  } else {
+    scores_rows<DV, T>(qs, n, base, p0 - base, p1 - base, scale, s);
   }
-  for (int i = 0; i < n; ++i) numerators(s.scores.data() + i * kSpan, qs[i], base, c0, c1);
-  const float* sc = s.scores.data();
-  if (D == 32) weigh_group<2, T>(qs, n, sc, p0 - base, p1 - base, s);
-  if (D == 64) weigh_group<4, T>(qs, n, sc, p0 - base, p1 - base, s);
-  if (D == 128) weigh_group<8, T>(qs, n, sc, p0 - base, p1 - base, s);
+  for (int i = 0; i < n; ++i) numerators(s.scores.data() + i * kScoreRow, qs[i], base, c0, c1);
+  weigh_group<DV, T>(qs, n, s.scores.data(), p0 - base, p1 - base, s);
+}
+
+// A group on the rows as loaded: widened (or a float32 cache's) floats, or the cache's T.
+template <int DV, class T>
+void run_group(const Query* qs, int n, int64_t base, float scale, bool widened, Span& s) {
+  if (widened) {
+    attend_group<DV, float>(qs, n, base, scale, true, s);
+  } else {
+    attend_group<DV, T>(qs, n, base, scale, false, s);
+  }
 }
 
 struct Plan {  // the work: units of (tile of rows, KV head, span), and where each row's partials go
@@ -361,16 +352,16 @@ void attend_unit(const Rows& a, const Plan& p, const Plan::Unit& u, const T* kp,
   if (qs.empty()) return;
   const int64_t* table = a.tables + a.seq[p.tile_first[u.tile]] * a.max_blocks;
   const int64_t n = static_cast<int64_t>(qs.size());
-  // a float16 cache's values widened once where more than one group of queries reads them
-  const bool widen = !std::is_same<T, float>::value && n > kScoreGroup;
-  load_span(a, kp, vp, table, u.kvh, base, from, to, widen, s);
+  // many queries (a prefill tile): rows widened to float once (a float32 cache's as they are)
+  // and scored 16 positions at a time; a few (a decode): each row read once in place
+  const bool widen = n > kScoreGroup;
+  load_span(a, kp, vp, table, u.kvh, base, from, to, widen && !std::is_same<T, float>::value, s);
   for (int64_t i = 0; i < n; i += kScoreGroup) {
     const int group = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i));
-    if (widen) {
-      attend_group<float>(qs.data() + i, group, a.D, base, a.scale, s);
-    } else {
-      attend_group<T>(qs.data() + i, group, a.D, base, a.scale, s);
-    }
+    const Query* g = qs.data() + i;
+    if (a.D == 32) run_group<2, T>(g, group, base, a.scale, widen, s);
+    if (a.D == 64) run_group<4, T>(g, group, base, a.scale, widen, s);
+    if (a.D == 128) run_group<8, T>(g, group, base, a.scale, widen, s);
   }
 }
 
@@ -411,8 +402,8 @@ void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
   const int64_t units = static_cast<int64_t>(p.units.size());
   const auto run = [&](int64_t begin, int64_t end) {
     static thread_local Span s;  // each worker thread's
-    grown(s.kt, a.D * kSpan), grown(s.vs, kSpan * a.D), grown(s.scores, kScoreGroup * kSpan);
-    grown(s.vrow, kSpan), grown(s.at, kSpan);
+    grown(s.ks, kSpan * a.D), grown(s.vs, kSpan * a.D), grown(s.scores, kScoreGroup * kScoreRow);
+    grown(s.krow, kSpan), grown(s.vrow, kSpan), grown(s.at, kSpan);
     std::vector<Query> qs;
     for (int64_t i = begin; i < end; ++i) attend_unit(a, p, p.units[i], kp, vp, parts, s, qs);
   };
