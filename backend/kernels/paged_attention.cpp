@@ -159,6 +159,13 @@ inline __m512 chain(const float* q, const __m512 (&k)[DV]) {
   return acc;
 }
 
+template <int DV>
+inline __m512 chain(const __m512 (&q)[DV], const float* k) {  // the same, q in registers
+  __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+  for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(k + d * 16), acc);
+  return acc;
+}
+
 inline void fill_unseen(const Query& q, int64_t base, float* sc) {
   const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
   for (int64_t c = q0; c < q1; c += 16) _mm512_storeu_ps(sc + c, _mm512_set1_ps(-INFINITY));
@@ -184,17 +191,13 @@ void scores_chunks(const Query* qs, int n, int64_t base, float scale, Span& s) {
   for (int i = 0; i < n; ++i) {
     const Query& q = qs[i];
     const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
+    __m512 qv[DV];
+    for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q.q + d * 16);
     for (int64_t c = q0; c < q1; c += 16) {
       __m512 acc[16];
       for (int j = 0; j < 16; ++j) {
         const float* row = static_cast<const float*>(s.krow[c + j]);
-        if (row == nullptr) {
-          acc[j] = _mm512_setzero_ps();
-          continue;
-        }
-        __m512 k[DV];
-        for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(row + d * 16);
-        acc[j] = chain<DV>(q.q, k);
+        acc[j] = row == nullptr ? _mm512_setzero_ps() : chain<DV>(qv, row);
       }
       const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + c)), lanes);
       const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(q.from))) &
