@@ -3,13 +3,19 @@
 // y[M, N] = xq[M, K] @ W^T (+ bias), each row of x first rounded to int8 in blocks of 32
 // (d = max |x| / 127, q = round(x / d): formats.quantize_activations).
 //
-// A block's products are integers, summed exactly by vpdpbusd (unsigned x signed bytes), then
-// scaled once: dw * dx * sum(qw * qx) + mw * dx * sum(qx). So the result equals float32
-// dequantize(W) @ dequantize(xq)^T up to the order of float additions. A tile's block of 4
-// output rows is one vpdpbusd pair for int4 (the levels 0..15 are the unsigned side) where
-// tiles.cpp decodes 32 weights a row to floats: ~12 instructions for 128 weights against ~40.
-// int8 weights: the activations are the unsigned side, stored as qx + 128, and 128 * sum(qw)
-// (one more vpdpbusd a block, shared by every row of x) is taken off.
+// A tile holds 16 output rows, one a 32-bit lane of a vector: its word j of a block is that
+// row's 4 weights 4j .. 4j + 3 (int4: two words a byte, formats.tile_weight). So a block's
+// 32 products of a row are 8 vpdpbusd, each against 4 bytes of x broadcast, and land summed in
+// the row's own lane: an exact integer, scaled once a block (dw * dx * sum(qw * qx) + mw * dx *
+// sum(qx)) and added to the lane's float, block after block. Every row of x costs those 8
+// instructions and 3 more a block for 16 outputs, whatever the number of rows: a speculative
+// verify step's k + 1 rows read the weights once and pay ~3x less a row than 4-row tiles did.
+// The order of the additions is the same for every row count (one row per lane, blocks in
+// order), so a row's numbers do not depend on its batch.
+//
+// The weights are vpdpbusd's unsigned side, x its signed one: int4 levels 0..15 as they are,
+// int8 weights stored as qw + 128, and 128 * sum(qx) of x's block (exact in float) taken off
+// the products before the scale.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,37 +29,46 @@
 
 namespace {
 
-constexpr int kTile = 4, kBlock = 32, kPassRows = 4;
+constexpr int kRows = 16, kBlock = 32, kPassRows = 8;
+constexpr int64_t kChunkBytes = 256 << 10;  // a thread's tiles per round of passes: in its L2
 
-// x rounded to int8 per block of 32: q in order (int8 weights: + 128), each block's d and d * sum(q).
+// x rounded to int8 per block of 32: q, each block's d, d * sum(q) and 128 * sum(q),
+// interleaved by passes: block b of the kPassRows rows of pass g side by side, so a tile's pass
+// reads one run of bytes a block (and keeps 3 pointers, not 3 a row, in registers).
 struct Activations {
-  std::vector<uint8_t> q;  // [M, K]
-  std::vector<float> d, sums;  // [M, blocks]
+  std::vector<uint8_t> q;      // [passes, blocks, kPassRows, 32]
+  std::vector<float> d, sums, offsets;  // [passes, blocks, kPassRows]
 };
 
-VNNI Activations quantize(const float* x, int64_t M, int64_t K, bool unsigned_side) {
-  const int64_t blocks = K / kBlock;
-  Activations a{std::vector<uint8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * blocks)};
-  const __m128i bias = _mm_set1_epi8(unsigned_side ? static_cast<char>(0x80) : 0);
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    const __m512 lo = _mm512_loadu_ps(x + i * kBlock), hi = _mm512_loadu_ps(x + i * kBlock + 16);
-    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
-    const float d = amax / 127.f;
-    const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);  // an all-zero block: q = 0
-    // x / d rounded to nearest even, as torch.round(x / d) in the reference
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
-    auto* out = reinterpret_cast<__m128i*>(a.q.data() + i * kBlock);
-    _mm_storeu_si128(out, _mm_xor_si128(_mm512_cvtsepi32_epi8(qlo), bias));
-    _mm_storeu_si128(out + 1, _mm_xor_si128(_mm512_cvtsepi32_epi8(qhi), bias));
-    a.d[i] = d;
-    a.sums[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+VNNI Activations quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = K / kBlock, slots = (M + kPassRows - 1) / kPassRows * kPassRows * blocks;
+  Activations a{std::vector<uint8_t>(slots * kBlock), std::vector<float>(slots), std::vector<float>(slots),
+                std::vector<float>(slots)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      const int64_t i = ((m / kPassRows) * blocks + b) * kPassRows + m % kPassRows;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
+      const float d = amax / 127.f;
+      const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);  // an all-zero block: q = 0
+      // x / d rounded to nearest even, as torch.round(x / d) in the reference
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
+      auto* out = reinterpret_cast<__m128i*>(a.q.data() + i * kBlock);
+      _mm_storeu_si128(out, _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(out + 1, _mm512_cvtsepi32_epi8(qhi));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      a.d[i] = d;
+      a.sums[i] = d * static_cast<float>(sum);
+      a.offsets[i] = static_cast<float>(128 * sum);
+    }
   }
   return a;
 }
 
 struct Problem {
-  const uint8_t* data;  // tiles: [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
-  const float* params;  // [N / 4, blocks, 8]: 4 scales, 4 mins; or [.., 4]: scales alone
+  const uint8_t* data;  // [N / 16, blocks, 4, 64] (int4) or [.., 8, 64] (int8 + 128): formats.tile_weight
+  const float* params;  // [N / 16, blocks, P]: 16 scales, then 16 mins if any
   const float* bias;    // [N] or null
   const Activations* x;
   float* y;             // [M, N]
@@ -61,88 +76,72 @@ struct Problem {
   bool accumulate;      // y += the product (tiled_matmul_a8_add), else y = it
 };
 
-inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-
-// Block b of a tile against rows x0.. of x: acc[v][r] += float(products) * dw * dx, where the
-// int32 lanes of vector v hold row t of the tile at lanes t * L .. t * L + L - 1 of v's pair
-// (int4: one vector, L = 4; int8: two, L = 8).
-template <bool kInt4, int R>
-VNNI inline void block_dot(const uint8_t* w, const __m128 scales, const uint8_t* const* xq, const float* const* xd,
-                           int64_t b, __m512 (&acc)[2][R]) {
-  const __m512 wide = _mm512_castps128_ps512(scales);
-  if constexpr (kInt4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), packed = _mm512_loadu_si512(w);
-    const __m512i lo = _mm512_and_si512(packed, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    const __m512 ws = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), wide);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xq[r] + b * kBlock;
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_broadcast_i32x4(load128(x)));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_broadcast_i32x4(load128(x + 16)));
-      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xd[r][b])), acc[0][r]);
+// Block b's 8 words of weights, word j (4 inputs 4j .. 4j + 3 of each of the 16 rows) in w[j].
+template <bool kInt4>
+VNNI inline void load_block(const uint8_t* block, __m512i (&w)[8]) {
+  if constexpr (kInt4) {  // vector v: inputs 4v.. in the low nibbles, 16 + 4v.. in the high ones
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = _mm512_loadu_si512(block + v * 64);
+      w[v] = _mm512_and_si512(packed, nibble);
+      w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
   } else {
-    const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
-    const __m512i w01 = _mm512_loadu_si512(w), w23 = _mm512_loadu_si512(w + 64);
-    const __m512i off01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w01);  // 128 * sum(qw)
-    const __m512i off23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w23);
-    const __m512 ws01 = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), wide);
-    const __m512 ws23 = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), wide);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock)));
-      const __m512 dx = _mm512_set1_ps(xd[r][b]);
-      const __m512i d01 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w01), off01);
-      const __m512i d23 = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w23), off23);
-      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_mul_ps(ws01, dx), acc[0][r]);
-      acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23), _mm512_mul_ps(ws23, dx), acc[1][r]);
-    }
+    for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(block + v * 64);
   }
 }
 
-// Outputs tile * 4 .. + 3 of rows r0 .. r0 + R - 1.
+// sum over the block's 32 inputs of qw * qx for the 16 rows, exact (int8: of (qw + 128) * qx);
+// two chains of 4 for the latency, their integer sum the same in any order.
+template <bool kInt4>
+VNNI inline __m512i block_products(const __m512i (&w)[8], const uint8_t* xq) {
+  const auto* words = reinterpret_cast<const int32_t*>(xq);  // a broadcast load each
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    const __m512i xe = _mm512_set1_epi32(words[j]), xo = _mm512_set1_epi32(words[j + 1]);
+    even = _mm512_dpbusd_epi32(even, w[j], xe);
+    odd = _mm512_dpbusd_epi32(odd, w[j + 1], xo);
+  }
+  return _mm512_add_epi32(even, odd);
+}
+
+// Outputs tile * 16 .. + 15 of rows r0 .. r0 + R - 1.
 template <bool kInt4, bool kMins, int R>
 VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
-  constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
-  const uint8_t* w = p.data + tile * p.blocks * kBlockBytes;
+  constexpr int64_t kBlockBytes = kRows * (kInt4 ? 16 : 32);
+  const uint8_t* data = p.data + tile * p.blocks * kBlockBytes;
   const float* params = p.params + tile * p.blocks * p.params_per_block;
-  const uint8_t* xq[R];
-  const float *xd[R], *xs[R];
-  __m512 acc[2][R];
-  __m128 min_acc[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = p.x->q.data() + (r0 + r) * p.K;
-    xd[r] = p.x->d.data() + (r0 + r) * p.blocks;
-    xs[r] = p.x->sums.data() + (r0 + r) * p.blocks;
-    acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    min_acc[r] = _mm_setzero_ps();
-  }
+  const int64_t pass = r0 / kPassRows * p.blocks * kPassRows;  // the pass's first slot
+  const uint8_t* xq = p.x->q.data() + pass * kBlock;
+  const float *xd = p.x->d.data() + pass, *xs = p.x->sums.data() + pass, *xo = p.x->offsets.data() + pass;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512i w[8];
+    load_block<kInt4>(data + b * kBlockBytes, w);
     const float* sm = params + b * p.params_per_block;
-    block_dot<kInt4, R>(w + b * kBlockBytes, _mm_loadu_ps(sm), xq, xd, b, acc);
-    if constexpr (kMins) {  // the tile's 4 mins times the block's d * sum(qx)
-      const __m128 mins = _mm_loadu_ps(sm + kTile);
-      for (int r = 0; r < R; ++r) min_acc[r] = _mm_fmadd_ps(mins, _mm_set1_ps(xs[r][b]), min_acc[r]);
+    const __m512 scales = _mm512_loadu_ps(sm);
+    const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t slot = b * kPassRows + r;
+      __m512 dot = _mm512_cvtepi32_ps(block_products<kInt4>(w, xq + slot * kBlock));
+      if constexpr (!kInt4) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, _mm512_set1_ps(xd[slot])), acc[r]);
+      if constexpr (kMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
     }
   }
-  constexpr int kLanes = kInt4 ? 4 : 8;  // int32 lanes of products a tile row
+  const int64_t n = tile * kRows;
+  const __m512 bias = p.bias != nullptr ? _mm512_loadu_ps(p.bias + n) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[32], mins[4];
-    _mm512_store_ps(lanes, acc[0][r]);
-    _mm512_store_ps(lanes + 16, acc[1][r]);
-    _mm_store_ps(mins, min_acc[r]);
-    for (int t = 0; t < kTile; ++t) {
-      float sum = 0.f;
-      for (int l = 0; l < kLanes; ++l) sum += lanes[t * kLanes + l];
-      const int64_t n = tile * kTile + t;
-      const float value = sum + mins[t] + (p.bias != nullptr ? p.bias[n] : 0.f);
-      float& out = p.y[(r0 + r) * p.N + n];
-      out = p.accumulate ? out + value : value;
-    }
+    float* out = p.y + (r0 + r) * p.N + n;
+    const __m512 value = _mm512_add_ps(acc[r], bias);
+    _mm512_storeu_ps(out, p.accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), value) : value);
   }
 }
 
 template <bool kInt4, bool kMins>
 VNNI void run(const Problem& p, int64_t M) {
-  at::parallel_for(0, p.N / kTile, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t from = begin; from < end; from += p.chunk) {
       const int64_t to = std::min(end, from + p.chunk);
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
@@ -151,7 +150,11 @@ VNNI void run(const Problem& p, int64_t M) {
             case 1: tile_dot<kInt4, kMins, 1>(p, tile, r0); break;
             case 2: tile_dot<kInt4, kMins, 2>(p, tile, r0); break;
             case 3: tile_dot<kInt4, kMins, 3>(p, tile, r0); break;
-            default: tile_dot<kInt4, kMins, 4>(p, tile, r0); break;
+            case 4: tile_dot<kInt4, kMins, 4>(p, tile, r0); break;
+            case 5: tile_dot<kInt4, kMins, 5>(p, tile, r0); break;
+            case 6: tile_dot<kInt4, kMins, 6>(p, tile, r0); break;
+            case 7: tile_dot<kInt4, kMins, 7>(p, tile, r0); break;
+            default: tile_dot<kInt4, kMins, 8>(p, tile, r0); break;
           }
         }
       }
@@ -159,13 +162,31 @@ VNNI void run(const Problem& p, int64_t M) {
   });
 }
 
-}  // namespace
-
-namespace {
+// x: contiguous float32 [M, K]; data: uint8 [N / 16, K / 32, 4, 64] (int4) or [.., 8, 64] (int8);
+// params: float32 [N / 16, K / 32, 32] (scales, mins) or [.., 16] (int8 without mins: scales);
+// bias: [N], or undefined / empty for none.
+TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
+                               const torch::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool int4 = data.dim() == 4 && data.size(2) == 4;
+  TORCH_CHECK(data.dim() == 4 && (int4 || data.size(2) == 8) && data.size(3) == 64 && data.is_contiguous() &&
+                  data.scalar_type() == torch::kUInt8, "data: uint8 [N / 16, K / 32, 4 (int4) or 8 (int8), 64]");
+  const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kRows;
+  TORCH_CHECK(blocks * kBlock == x.size(1), "data does not match K");
+  const int64_t P = params.size(2);
+  const bool mins = P == 2 * kRows;
+  TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
+                  params.size(1) == blocks && (mins || (!int4 && P == kRows)),
+              "params: float32 [N / 16, K / 32, 32], or [.., 16] for int8 without mins");
+  const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
+  TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kRows * (int4 ? 16 : 32) + P * 4)));
+  return {x.size(0), N, x.size(1), blocks, int4, mins, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+}
 
 void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data,
                    const torch::Tensor& params, float* yp, bool accumulate) {
-  const Activations a = quantize(x.data_ptr<float>(), o.M, o.K, !o.int4);
+  const Activations a = quantize(x.data_ptr<float>(), o.M, o.K);
   const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
                   o.N, o.K, o.blocks, params.size(2), o.chunk, accumulate};
   if (o.int4) {
@@ -179,10 +200,9 @@ void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::T
 
 }  // namespace
 
-// y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 as formats.Tiles
-// (tiles.cpp's operands).
+// y = quantize_activations(x) @ dequant(W)^T (+ bias), W int4 or int8 as formats.tile_weight.
 torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor params, torch::Tensor bias) {
-  const TileOperands o = check_tile_operands(x, data, params, bias);
+  const TileOperands o = check_a8_operands(x, data, params, bias);
   torch::Tensor y = torch::empty({o.M, o.N}, x.options());
   tiled_a8_into(o, x, data, params, y.data_ptr<float>(), false);
   return y;
@@ -191,7 +211,7 @@ torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor
 // y += the same product (+ bias), as y + (product + bias): tiled_matmul_add's, int8 activations.
 void tiled_matmul_a8_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, torch::Tensor params,
                          torch::Tensor bias) {
-  const TileOperands o = check_tile_operands(x, data, params, bias);
+  const TileOperands o = check_a8_operands(x, data, params, bias);
   check_accumulator(y, o);
   tiled_a8_into(o, x, data, params, y.data_ptr<float>(), true);
 }

@@ -22,20 +22,27 @@ BLOCK = 32  # weights per int4 packing block; every group is a multiple of it
 KINDS = ("int8", "int4")
 
 
-TILE = 4  # output rows side by side in a Tiles block
+TILE = 4  # output rows side by side in a Tiles block multiplied by float32 activations
+TILE_A8 = 16  # the same for int8 activations: one row a 32-bit lane of a vector (tiles_a8.cpp)
 
 
 @dataclass(slots=True, eq=False)
 class Tiles:
-    """A weight laid out for the GEMV (tiles.cpp): each block of 32 inputs of TILE consecutive
-    output rows side by side (int4: TILE x 16 bytes, one cache line; int8: TILE x 32), and
-    their scales and mins (one per block, a group's repeated over its blocks; symmetric
-    int8: no mins) side by side, so a thread reads two arrays front to back instead of TILE
-    short rows at a time."""
+    """A weight laid out for the GEMV, in one of two layouts by what multiplies it:
 
-    data: torch.Tensor  # [out / TILE, in / 32, TILE, bytes]: each row's bytes of the block as in q
+    - float32 activations (tiles.cpp): each block of 32 inputs of TILE consecutive output rows
+      side by side (int4: TILE x 16 bytes, one cache line; int8: TILE x 32), and their scales
+      and mins (one per block, a group's repeated over its blocks; symmetric int8: no mins)
+      side by side, so a thread reads two arrays front to back instead of TILE short rows;
+    - int8 activations (tiles_a8.cpp): TILE_A8 rows, a block as 64-byte words: word j of row
+      n is its inputs 4j .. 4j + 3 at bytes 4n .. 4n + 3 (int4: inputs 4v.. in the low nibbles
+      and 16 + 4v.. in the high ones of vector v), so one vpdpbusd takes 4 inputs of 16 rows.
+    """
+
+    data: torch.Tensor  # float32 activations: [out / TILE, in / 32, TILE, bytes], each row's bytes
+    # of the block as in q; int8: uint8 [out / TILE_A8, in / 32, 4 (int4) or 8 (int8: q + 128), 64]
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
-    # mins (symmetric int8), [.., TILE]: the scales alone
+    # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each)
     params: torch.Tensor
     activations: str = "float32"  # what the GEMV multiplies them by: float32, or int8 (tiles_a8.cpp)
 
@@ -119,18 +126,25 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles | None:
     """`weight` as Tiles multiplied by `activations`; None where its rows do not make whole tiles."""
-    if weight.out_features % TILE:
+    rows = TILE_A8 if activations == "int8" else TILE
+    if weight.out_features % rows:
         return None
-    tiles, blocks = weight.out_features // TILE, weight.in_features // BLOCK
-    block_bytes = BLOCK // 2 if weight.kind == "int4" else BLOCK
-    data = weight.q.reshape(tiles, TILE, blocks, block_bytes).transpose(1, 2).contiguous()
+    tiles, blocks = weight.out_features // rows, weight.in_features // BLOCK
 
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / TILE, blocks, TILE]
+    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / rows, blocks, rows]
         values = values.repeat_interleave(weight.group // BLOCK, dim=1)
-        return values.reshape(tiles, TILE, blocks).transpose(1, 2)
+        return values.reshape(tiles, rows, blocks).transpose(1, 2)
 
-    parts = [per_block(weight.scales)] + ([] if weight.mins is None else [per_block(weight.mins)])
-    return Tiles(data, torch.cat(parts, dim=2).contiguous(), activations)
+    mins = [] if weight.mins is None else [per_block(weight.mins)]
+    if activations == "int8":
+        words = 4 if weight.kind == "int4" else 8  # 4-byte words of a row's block
+        q = weight.q if weight.kind == "int4" else (weight.q.to(torch.int16) + 128).to(torch.uint8)  # the unsigned side
+        data = q.reshape(tiles, rows, blocks, words, 4).permute(0, 2, 3, 1, 4)
+        data = data.reshape(tiles, blocks, words, rows * 4).contiguous()
+        return Tiles(data, torch.cat([per_block(weight.scales), *mins], dim=2).contiguous(), activations)
+    block_bytes = BLOCK // 2 if weight.kind == "int4" else BLOCK
+    data = weight.q.reshape(tiles, rows, blocks, block_bytes).transpose(1, 2).contiguous()
+    return Tiles(data, torch.cat([per_block(weight.scales), *mins], dim=2).contiguous(), activations)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
