@@ -8,10 +8,12 @@
 // 32 products of a row are 8 vpdpbusd, each against 4 bytes of x broadcast, and land summed in
 // the row's own lane: an exact integer, scaled once a block (dw * dx * sum(qw * qx) + mw * dx *
 // sum(qx)) and added to the lane's float, block after block. Every row of x costs those 8
-// instructions and 3 more a block for 16 outputs, whatever the number of rows: a speculative
-// verify step's k + 1 rows read the weights once and pay ~3x less a row than 4-row tiles did.
-// The order of the additions is the same for every row count (one row per lane, blocks in
-// order), so a row's numbers do not depend on its batch.
+// instructions and 3 more a block for 16 outputs, where 4-row tiles paid 2 vpdpbusd and 6 more
+// per 4 outputs; a pass takes up to 8 rows of x, their blocks side by side. A verify step's
+// k + 1 rows read the weights once: gate_up (3072 x 576) at 5 rows 33 us against 4-row tiles'
+// 72, at one row 13 against 22 (2 cores, docs/speed.md). The order of the additions is the
+// same for every row count (one row per lane, blocks in order), so a row's numbers do not
+// depend on its batch.
 //
 // The weights are vpdpbusd's unsigned side, x its signed one: int4 levels 0..15 as they are,
 // int8 weights stored as qw + 128, and 128 * sum(qx) of x's block (exact in float) taken off

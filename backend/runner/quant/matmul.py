@@ -17,7 +17,7 @@ from backend.runner.quant.formats import QuantizedWeight, dequantize
 # GEMV at every row count: against the float32 GEMM after a dequantize it measured ~1.5x
 # (int4) and ~2x (int8) from 1 to 512 rows on the default model's layers (2 cores; the GEMM
 # is MKL's, far from this CPU's float32 peak). What follows is the path of weights without
-# tiles (rows not a multiple of formats.TILE).
+# tiles (rows not a multiple of formats.TILE, or TILE_A8 for int8 activations).
 # Up to this many rows the GEMV kernel runs (it decodes each weight once per 8 rows); past it
 # the weights are dequantized whole and multiplied by a GEMM, which a prefill chunk amortizes:
 # float32 (MKL; exact, the float32 model's numbers) unless QUANT_GEMM=bf16 (oneDNN's bf16
