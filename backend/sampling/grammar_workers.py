@@ -185,7 +185,7 @@ class _Worker:
         """The seconds spent waiting for the process to start; one that died idle (not the
         spec's doing) is replaced first. RuntimeError if it cannot start."""
         started = time.monotonic()
-        if not self.alive:
+        if not self.alive or self._died_idle():
             self._restart()
         try:
             if not self.ready:
@@ -194,6 +194,15 @@ class _Worker:
         except (EOFError, OSError):
             raise RuntimeError(f"a grammar compiling process failed to start (exit code {self._restart()})") from None
         return time.monotonic() - started
+
+    def _died_idle(self) -> bool:
+        """Whether a started worker's pipe reads as closed: an idle worker says nothing until
+        sent a spec, so anything readable is its end. `alive` alone can miss a death: a pid
+        reaped by another waiter reads as running to multiprocessing (waitpid's ECHILD)."""
+        try:
+            return self._ready and self._conn.poll(0)
+        except (EOFError, OSError):
+            return True
 
     def stop(self) -> None:
         with self._lock:
