@@ -52,18 +52,21 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.
 
 
 @contextlib.contextmanager
-def llama_server(binary: str, gguf: str, parallel: int = 32, threads: int = 2, ctx: int | None = None) -> Iterator[str]:
+def llama_server(
+    binary: str, gguf: str, parallel: int = 32, threads: int = 2, ctx: int | None = None, repack: bool = False
+) -> Iterator[str]:
     """Run llama-server on `gguf` on a free loopback port; yield its base URL, kill it on exit.
 
     The context holds `parallel` slots of PROMPT_TOKENS + GEN_TOKENS each. The prompt cache
     (``--cache-ram 0``, ``--no-cache-idle-slots``, ``cache_prompt: false`` per request) is off, so
     repeated runs gain nothing from earlier ones. ``--no-repack`` turns off the AMX weight layout
-    (this build's only repack for Q4_1), whose tile instructions the host may refuse (SIGILL).
+    (this build's only repack for Q4_1), whose tile instructions the host may refuse (SIGILL);
+    `repack` leaves it on (K-quant files: its AVX2 / AVX-512 layouts).
     """
     port = free_port()
     size = ctx or parallel * (PROMPT_TOKENS + GEN_TOKENS)
     flags = f"-np {parallel} -t {threads} -tb {threads} -c {size} --host 127.0.0.1 --port {port}"
-    flags += " --cache-ram 0 --no-cache-idle-slots --no-repack --no-webui"
+    flags += " --cache-ram 0 --no-cache-idle-slots --no-webui" + ("" if repack else " --no-repack")
     cmd = [binary, "-m", gguf, *flags.split()]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -10,6 +10,11 @@ window each round), so its decode steps attend over N positions and more.
 
     LLAMA_SERVER=/path/to/llama-server python -m bench.llamacpp_ab [--rounds 3] [--streams 32] [--quant int4]
         [--kv-cache-dtype auto | float16 | float32] [--context 1500] [--activations float32 | int8]
+        [--gguf FILE [--repack]]
+
+`--gguf FILE`: both servers on that GGUF file (ours: MODEL=FILE, QUANT=auto, the file's own
+blocks; `--quant` is ignored), e.g. a Q4_K_M or Q6_K file made by llama-quantize; `--repack`
+lets llama-server repack the weights for its CPU kernels (off by default: see llamacpp.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE of our server")
     parser.add_argument("--context", type=int, default=0, help="one stream's prompt in tokens (0: a chat prompt)")
     parser.add_argument("--activations", default="auto", help="QUANT_ACTIVATIONS of our server")
+    parser.add_argument("--gguf", help="a GGUF file both servers serve (default: the default model's Q4_1)")
+    parser.add_argument("--repack", action="store_true", help="llama-server repacks weights (no --no-repack)")
     args = parser.parse_args()
     binary = llamacpp.server_binary()
     if binary is None:
@@ -38,17 +45,21 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from backend.runner.convert import ensure_default_model, gguf_path
+    from backend.runner.gguf_model import model_folder
     from launcher.stack import Stack
 
     print(f"CPU: {describe_cpu()}", flush=True)
-    model_path = str(ensure_default_model())
+    model_path = str(model_folder(args.gguf) if args.gguf else ensure_default_model())
+    gguf = args.gguf or str(gguf_path())
+    print(f"GGUF: {gguf}", flush=True)
     prompts = prompts_for(AutoTokenizer.from_pretrained(model_path), max(args.streams, args.rounds))
     singles = long_prompts(prompts, args.context, args.rounds) if args.context else prompts
     slot = llamacpp.PROMPT_TOKENS + llamacpp.GEN_TOKENS
     ctx = 32 * max(slot, args.context + args.tokens + 16)  # llama-server's 32 slots share it
-    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": args.quant, "KV_CACHE_DTYPE": args.kv_cache_dtype,
-           "QUANT_ACTIVATIONS": args.activations}  # fmt: skip
-    with Stack(model_path, env=env) as stack, llamacpp.llama_server(binary, str(gguf_path()), ctx=ctx) as llama_url:
+    env = {"ENABLE_PREFIX_CACHING": "0", "QUANT": "auto" if args.gguf else args.quant,
+           "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANT_ACTIVATIONS": args.activations}  # fmt: skip
+    serve = llamacpp.llama_server(binary, gguf, ctx=ctx, repack=args.repack)
+    with Stack(model_path, env=env) as stack, serve as llama_url:
         ours = (stack.base_url.removesuffix("/v1"), stack.served_model_name)
         theirs = (llama_url, "llama")
         for url, name in (ours, theirs):

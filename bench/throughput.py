@@ -164,7 +164,7 @@ def gguf_bytes(gguf_file: Path) -> int:
 
 
 def _linear_params(model_path: str) -> int:
-    from backend.runner.loader import load_model_config
+    from backend.runner.hf_config import load_model_config
 
     c = load_model_config(model_path)
     per_layer = (

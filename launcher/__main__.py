@@ -65,9 +65,10 @@ def _warn_if_exposed(host: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     find_triton()
     model = default_model_path(args.model)
+    print(f"model: {_describe(model)}", flush=True)
     _warn_if_exposed(args.host)
     ui = _ui_on()
-    quant = os.environ.get("QUANT") or "auto (the default model: int4, its GGUF's Q4_1 blocks)"
+    quant = os.environ.get("QUANT") or "auto (a GGUF file's own blocks; the default model: its Q4_1 blocks)"
     activations = os.environ.get("QUANT_ACTIVATIONS") or "auto (int4 weights: int8 where the CPU has VNNI)"
     print(
         f"weights: QUANT={quant}, QUANT_ACTIVATIONS={activations}; QUANT=none serves float32, "
@@ -104,6 +105,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
+
+
+def _describe(model: Path) -> str:
+    """Which forward serves the model and its weights' formats; SetupError (one line) where none can."""
+    from backend.runner.loader import describe_model
+
+    try:
+        return describe_model(model, os.environ.get("MODEL_IMPL") or "auto")
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
 
 
 def _replicas() -> int:

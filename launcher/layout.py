@@ -145,12 +145,18 @@ def triton_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
 
 
 def default_model_path(explicit: str | Path | None = None) -> Path:
-    """`explicit`, else $MODEL, else the default model (converted on first use)."""
+    """`explicit`, else $MODEL (a Hugging Face folder, or a GGUF file: backend/runner/gguf_model.py),
+    else the default model (converted on first use)."""
     chosen = explicit or os.environ.get("MODEL")
     if chosen:
-        path = Path(chosen).expanduser().resolve()
+        from backend.runner.gguf_model import model_folder
+
+        try:
+            path = model_folder(chosen)  # a GGUF file: its prepared folder (config, tokenizer)
+        except ValueError as e:
+            raise SetupError(str(e)) from None
         if not (path / "config.json").exists():
-            raise SetupError(f"{path} is not a Hugging Face model folder (no config.json)")
+            raise SetupError(f"{path} is neither a Hugging Face model folder (no config.json) nor a GGUF file")
         return path
     from backend.runner.convert import ensure_default_model
 

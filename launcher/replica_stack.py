@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from backend.settings.paths import model_name
 from launcher.dynamo_worker import dynamo_env
 from launcher.frontend import LOG_DIR, LOOPBACK, Frontend
 from launcher.layout import BUILD_DIR, default_model_path
@@ -59,7 +60,7 @@ class ReplicaStack:
     ):  # fmt: skip
         """`env`: for every process; `envs`: one more per instance (e.g. its KV_CACHE_MB)."""
         self.model_path = Path(model_path) if model_path else default_model_path()
-        self.served_model_name = served_model_name or self.model_path.name
+        self.served_model_name = served_model_name or model_name(self.model_path)
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="replicas-", dir=BUILD_DIR))
         self.nats = NatsServer(self.root / "nats", log_dir=log_dir)

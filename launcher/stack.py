@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.contract import DRAIN_SIGNAL, MODEL_NAME
+from backend.settings.paths import model_name
 from launcher.frontend import LOG_DIR, LOOPBACK, Frontend, log_path
 from launcher.layout import (
     MODEL_REPOSITORY,
@@ -201,7 +202,7 @@ class Stack:
         """`triton`: an already running server to put the frontend on (not stopped here).
         `supervise`: restart our tritonserver when its model dies (launcher.watchdog)."""
         self.model_path = Path(model_path) if model_path else (triton.model_path if triton else default_model_path())
-        self.served_model_name = served_model_name or self.model_path.name
+        self.served_model_name = served_model_name or model_name(self.model_path)
         self._owns_triton = triton is None
         self.triton = triton or TritonServer(self.model_path, ports=triton_ports, env=env, log_dir=log_dir)
         self.frontend = (

@@ -22,6 +22,7 @@ from backend.guards.tools import ToolGuards
 from backend.kv.block_manager import BlockManager
 from backend.lora.peft_format import LoraWeights
 from backend.lora.registry import AdapterRegistry, AdapterVersion
+from backend.runner.gguf_model import model_folder
 from backend.runner.model_runner import ModelRunner
 from backend.sampling.grammar import CompiledGrammar
 from backend.sampling.grammar_compiler import GrammarCompiler, GrammarLimits
@@ -51,6 +52,7 @@ class Prepared:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        config.model_path = str(model_folder(config.model_path))  # a GGUF file: its prepared folder
         self.config = config
         self.runner = runner or ModelRunner(config)
         mc = self.runner.model_config
@@ -71,8 +73,14 @@ class LLMEngine:
         self.guards = Guards(self.eos_token_ids, self.max_model_len, self.settings, markers, tools)
         self.speculator = Speculator(config.speculative, config.spec_tokens, self.max_model_len, self.runner)
         self.translation = Translation.for_model(mc, self.tokenizer, self.settings)  # None: decoder-only
-        # None: MAX_LORAS=0 (no adapters), or a translation model (adapters are for decoder-only models)
-        self.adapters = AdapterRegistry.for_engine(config, mc) if self.translation is None else None
+        # None: MAX_LORAS=0 (no adapters), a translation model or one on the generic path (adapters
+        # are for decoder-only models on our own forward)
+        self.adapters = (
+            AdapterRegistry.for_engine(config, mc) if self.translation is None and self.runner.native else None
+        )
+        if not self.runner.native and (config.lora_modules or config.active_lora):
+            raise ValueError(f"LORA_MODULES / ACTIVE_LORA: adapters are served on our own forward; "
+                             f"{mc.architecture} runs on the transformers path")  # fmt: skip
         self.vision = getattr(mc, "vision", None) if self.translation is None else None  # None: text only
         encoder_cache = EncoderCache(config.encoder_cache_tokens) if self.vision is not None else None
         if encoder_cache is not None:

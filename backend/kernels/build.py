@@ -9,6 +9,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,9 +79,26 @@ def _build(folder: Path):
     # versions hash a command differently, so each rebuilt what the other had built (the
     # setup's /usr/bin/ninja against the stub's, whose PATH starts with the venv's bin/).
     _venv_bin_first()
-
+    _clear_stale_lock(folder)
     return load(name="tritonllm_quant", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=str(folder), verbose=False)  # fmt: skip
+
+
+STALE_LOCK_S = 600  # a build takes ~2 minutes on 2 cores; a lock this old was left by a killed one
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    """torch's builder waits, forever, while its lock file exists: a build killed mid-way (a
+    Ctrl-C, a test timeout) left one, and every later process hung on it. One older than
+    STALE_LOCK_S is removed."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"removing {lock}, left {age / 60:.0f} minutes ago by a build that did not finish", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def _venv_bin_first() -> None:

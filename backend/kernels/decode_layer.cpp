@@ -115,7 +115,9 @@ void store_kv(torch::Tensor& cache, int64_t at, const float* row, int64_t n) {
 // values [num_slots, KV, D] (the layer's cache, flat); slots [T]; tables [B, max_blocks],
 // seq [T], lens [T]: paged_attention_rows' operands (any rows: a decode's, a verify step's, a
 // prefill chunk's). int8_activations: the linears take tiles_a8.cpp's
-// GEMV (the tiles' `Tiles.activations`: QUANT_ACTIVATIONS), else tiles.cpp's.
+// GEMV (the tiles' `Tiles.activations`: QUANT_ACTIVATIONS), else tiles.cpp's. Each linear's
+// params tell its layout to those GEMVs (int8 group 16: 4 dimensions, formats.Tiles), so a
+// layer may mix group 16 (GGUF's Q6_K, Q3_K, Q2_K) and group 32 linears.
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor seq, torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,

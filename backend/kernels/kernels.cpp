@@ -5,7 +5,8 @@
 //   int8: q int8 [N, K];
 //   int4: q uint8 [N, K / 2], in blocks of 32 weights: byte j of a block holds weight j in its
 //         low nibble and weight j + 16 in its high nibble (GGUF's Q4_0 / Q4_1 block layout).
-//   scales, mins: float32 [N, K / group]; group is a multiple of 32.
+//   scales, mins: float32 [N, K / group]; group is a multiple of 32, or 16 for int8 (GGUF's
+//   K-quants: a block of 32 weights takes two groups' scales, and mins, one a half).
 //
 // The weights are decoded to float32 in registers and multiplied in float32, so a result
 // equals float32 x @ dequantize(W)^T up to the order of float additions. `dequant` writes
@@ -143,41 +144,84 @@ void dot_rows_int4(const Problem& p, int64_t n, int64_t r0) {
   }
 }
 
-template <bool kInt4, int R, int NT>
+// int8 group 16: each weight decoded as the reference computes it (q * scale + min, the scale
+// and min of its half of the block), as tiles.cpp does, and multiplied by x.
+template <int R, int NT>
+void dot_rows_int8_halves(const Problem& p, int64_t n, int64_t r0) {
+  const int64_t groups = p.K / 16;
+  __m512 acc[NT][R];
+  for (int t = 0; t < NT; ++t) {
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < p.K; k += kBlock) {
+    for (int t = 0; t < NT; ++t) {
+      __m512 w[2];
+      decode<false>(p.q + (n + t) * p.row_bytes, k, w[0], w[1]);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t g = (n + t) * groups + k / 16 + h;
+        w[h] = _mm512_mul_ps(w[h], _mm512_set1_ps(p.scales[g]));
+        if (p.mins != nullptr) w[h] = _mm512_add_ps(w[h], _mm512_set1_ps(p.mins[g]));
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = p.x + (r0 + r) * p.K + k;
+        acc[t][r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[t][r]);
+        acc[t][r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    for (int r = 0; r < R; ++r) {
+      p.y[(r0 + r) * p.N + n + t] = _mm512_reduce_add_ps(acc[t][r]) + (p.bias != nullptr ? p.bias[n + t] : 0.f);
+    }
+  }
+}
+
+enum class Path { kInt8, kInt4, kInt8Halves };  // the row kernels: int8 / int4 by whole groups, int8 group 16
+
+template <Path kPath, int R, int NT>
 inline void dot_rows(const Problem& p, int64_t n, int64_t r0) {
-  if constexpr (kInt4) {
+  if constexpr (kPath == Path::kInt4) {
     dot_rows_int4<R, NT>(p, n, r0);
+  } else if constexpr (kPath == Path::kInt8Halves) {
+    dot_rows_int8_halves<R, NT>(p, n, r0);
   } else {
     dot_rows_int8<R, NT>(p, n, r0);
   }
 }
 
 // Outputs [begin, end) of rows r0 .. r0 + rows - 1, four outputs at a time where they fit.
-template <bool kInt4, int R>
+template <Path kPath, int R>
 void dot_span(const Problem& p, int64_t begin, int64_t end, int64_t r0) {
   constexpr int NT = R >= 4 ? 1 : (R == 1 ? 4 : 2);
   int64_t n = begin;
-  for (; n + NT <= end; n += NT) dot_rows<kInt4, R, NT>(p, n, r0);
-  for (; n < end; ++n) dot_rows<kInt4, R, 1>(p, n, r0);
+  for (; n + NT <= end; n += NT) dot_rows<kPath, R, NT>(p, n, r0);
+  for (; n < end; ++n) dot_rows<kPath, R, 1>(p, n, r0);
 }
 
-template <bool kInt4>
+template <Path kPath>
 void dot_tile(const Problem& p, int64_t begin, int64_t end, int64_t r0, int64_t rows) {
   switch (rows) {
-    case 1: return dot_span<kInt4, 1>(p, begin, end, r0);
-    case 2: return dot_span<kInt4, 2>(p, begin, end, r0);
-    case 3: return dot_span<kInt4, 3>(p, begin, end, r0);
-    case 4: return dot_span<kInt4, 4>(p, begin, end, r0);
-    case 5: return dot_span<kInt4, 5>(p, begin, end, r0);
-    case 6: return dot_span<kInt4, 6>(p, begin, end, r0);
-    case 7: return dot_span<kInt4, 7>(p, begin, end, r0);
-    default: return dot_span<kInt4, 8>(p, begin, end, r0);
+    case 1: return dot_span<kPath, 1>(p, begin, end, r0);
+    case 2: return dot_span<kPath, 2>(p, begin, end, r0);
+    case 3: return dot_span<kPath, 3>(p, begin, end, r0);
+    case 4: return dot_span<kPath, 4>(p, begin, end, r0);
+    case 5: return dot_span<kPath, 5>(p, begin, end, r0);
+    case 6: return dot_span<kPath, 6>(p, begin, end, r0);
+    case 7: return dot_span<kPath, 7>(p, begin, end, r0);
+    default: return dot_span<kPath, 8>(p, begin, end, r0);
   }
 }
 
-void check_operands(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, int64_t group) {
+// group: a multiple of 32 dividing K, or (int8) 16 with K a multiple of 32
+void check_group(int64_t K, int64_t group, int64_t bits) {
+  TORCH_CHECK((group % kBlock == 0 || (group == 16 && bits == 8)) && K % group == 0 && K % kBlock == 0,
+              "group must be a multiple of 32 dividing K, or 16 (int8)");
+}
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, int64_t group,
+                    int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(group % kBlock == 0 && x.size(1) % group == 0, "group must be a multiple of 32 dividing K");
+  check_group(x.size(1), group, bits);
   TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32, "layout");
   TORCH_CHECK(scales.size(1) == x.size(1) / group, "scales: [N, K / group]");
 }
@@ -187,12 +231,13 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& q, const torch:
 // y = x @ W^T (+ bias). bits: 8 or 4; mins and bias may be empty tensors.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor mins,
                            torch::Tensor bias, int64_t group, int64_t bits) {
-  check_operands(x, q, scales, group);
+  check_operands(x, q, scales, group, bits);
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.size(1) == (bits == 4 ? K / 2 : K), "q does not match K");
   TORCH_CHECK(bits == 8 || mins.numel(), "int4 has a min per group (symmetric: -8 * scale)");
-  // int8's mins multiply x's group sums; int4's go into its tables
-  torch::Tensor xsums = bits == 8 && mins.numel() ? x.view({M, K / group, group}).sum(-1).contiguous() : x;
+  const bool halves = group == 16;
+  // int8's mins multiply x's group sums; int4's go into its tables, group 16's into its weights
+  torch::Tensor xsums = bits == 8 && !halves && mins.numel() ? x.view({M, K / group, group}).sum(-1).contiguous() : x;
   torch::Tensor y = torch::empty({M, N}, x.options());
   Problem p{x.data_ptr<float>(), xsums.data_ptr<float>(), static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
             mins.numel() ? mins.data_ptr<float>() : nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr,
@@ -202,9 +247,11 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scale
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
       if (bits == 4) {
-        dot_tile<true>(p, begin, end, r0, rows);
+        dot_tile<Path::kInt4>(p, begin, end, r0, rows);
+      } else if (halves) {
+        dot_tile<Path::kInt8Halves>(p, begin, end, r0, rows);
       } else {
-        dot_tile<false>(p, begin, end, r0, rows);
+        dot_tile<Path::kInt8>(p, begin, end, r0, rows);
       }
     }
   });
@@ -217,7 +264,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scale
 torch::Tensor dequant(torch::Tensor q, torch::Tensor scales, torch::Tensor mins, int64_t group, int64_t bits,
                       bool bf16, torch::Tensor out) {
   const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1), groups = K / group;
-  TORCH_CHECK(group % kBlock == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
+  check_group(K, group, bits);
   TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32, "layout");
   const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
   torch::Tensor w;
@@ -241,15 +288,14 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scales, torch::Tensor mins,
         } else {
           decode<false>(qp + n * row_bytes, k, lo, hi);
         }
-        const int64_t g = n * groups + k / group;
-        const __m512 s = _mm512_set1_ps(sp[g]);
+        // the groups of weights k.. and k + 16..: one group, or group 16's two
+        const int64_t g = n * groups + k / group, g_hi = n * groups + (k + 16) / group;
         // as the reference computes it: q * scale, then + min (two roundings, no fused multiply-add)
-        lo = _mm512_mul_ps(lo, s);
-        hi = _mm512_mul_ps(hi, s);
+        lo = _mm512_mul_ps(lo, _mm512_set1_ps(sp[g]));
+        hi = _mm512_mul_ps(hi, _mm512_set1_ps(sp[g_hi]));
         if (mp != nullptr) {
-          const __m512 m = _mm512_set1_ps(mp[g]);
-          lo = _mm512_add_ps(lo, m);
-          hi = _mm512_add_ps(hi, m);
+          lo = _mm512_add_ps(lo, _mm512_set1_ps(mp[g]));
+          hi = _mm512_add_ps(hi, _mm512_set1_ps(mp[g_hi]));
         }
         char* dst = wp + (n * K + k) * out_bytes;
         if (bf16) {

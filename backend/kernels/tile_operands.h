@@ -6,12 +6,14 @@
 struct TileOperands {
   int64_t M, N, K, blocks;
   bool int4, mins;     // int4 (else int8) weights; params hold mins after the scales
+  bool halves;         // int8 group 16: params per half block (formats.Tiles)
   const float* bias;   // [N] or null
   int64_t chunk;       // tiles a thread takes per round of passes: ~256 KB of weights, its L2
 };
 
 // x: contiguous float32 [M, K]; data: uint8 [N / 4, K / 32, 4, 16] (int4) or int8 [.., 32];
-// params: float32 [N / 4, K / 32, 8] (4 scales, 4 mins) or [.., 4] (int8 without mins);
+// params: float32 [N / 4, K / 32, 8] (4 scales, 4 mins) or [.., 4] (int8 without mins), with a
+// dimension of 2 before the last for int8 group 16 ([.., K / 32, 2, 8 or 4]: each half's);
 // bias: [N], or undefined / empty for none.
 TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                  const torch::Tensor& bias);

@@ -28,7 +28,8 @@ constexpr int64_t kGroupFrom = 128;  // rows of x from which the tiles are decod
 
 struct Tiles {
   const uint8_t* data;   // [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
-  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without mins)
+  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without mins);
+                         // int8 group 16: [N / 4, blocks, 2, 8 or 4], each half's
   const float* bias;     // [N] or null
   int64_t N, K, blocks;
   bool accumulate;       // y += the product (tiled_matmul_add), else y = it
@@ -37,9 +38,12 @@ struct Tiles {
 // A block's weights 0..15 and 16..31 of tile row t, as float32: int4 through a 16-entry table
 // of scale * level + min (one permute a nibble), int8 as q * scale + min (kMins) or q * scale;
 // each computes a weight as the reference does (a product, then a sum: no fused multiply-add).
-template <bool kInt4, bool kMins>
+// kHalves (int8 group 16): `sm` holds the block's two halves' params one after the other, and
+// each half of the block takes its own scale (and min).
+template <bool kInt4, bool kMins, bool kHalves = false>
 inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
   static_assert(kMins || !kInt4, "int4 always has mins");
+  static_assert(!(kHalves && kInt4), "group 16 is int8's");
   const __m512 scale = _mm512_set1_ps(sm[t]), min = kMins ? _mm512_set1_ps(sm[kTile + t]) : _mm512_setzero_ps();
   if constexpr (kInt4) {
     const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -48,14 +52,17 @@ inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m
     lo = _mm512_permutexvar_ps(bytes, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
+    const float* sm_hi = sm + (kMins ? 2 * kTile : kTile);  // group 16: the second half's params
+    const __m512 scale_hi = kHalves ? _mm512_set1_ps(sm_hi[t]) : scale;
+    const __m512 min_hi = kHalves && kMins ? _mm512_set1_ps(sm_hi[kTile + t]) : min;
     const auto* q = reinterpret_cast<const __m128i*>(block + t * 32);
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
     lo = _mm512_mul_ps(lo, scale);
-    hi = _mm512_mul_ps(hi, scale);
+    hi = _mm512_mul_ps(hi, scale_hi);
     if constexpr (kMins) {
       lo = _mm512_add_ps(lo, min);
-      hi = _mm512_add_ps(hi, min);
+      hi = _mm512_add_ps(hi, min_hi);
     }
   }
 }
@@ -131,10 +138,12 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
 
 // A tile's blocks, decoded one (block, tile row) at a time: dot's weights for tile_dot, and
 // decode_tile's source. kMins: a block's params are its 4 scales then its 4 mins, else its 4
-// scales alone (int8 without mins: GGUF's Q8_0, QUANT's symmetric int8).
-template <bool kInt4, bool kMins>
+// scales alone (int8 without mins: GGUF's Q8_0, QUANT's symmetric int8); kHalves: those of
+// each half of the block (int8 group 16: GGUF's K-quants).
+template <bool kInt4, bool kMins, bool kHalves = false>
 struct TileDecoder {
-  static constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32), kParams = kMins ? 2 * kTile : kTile;
+  static constexpr int64_t kBlockBytes = kTile * (kInt4 ? 16 : 32);
+  static constexpr int64_t kParams = (kMins ? 2 * kTile : kTile) * (kHalves ? 2 : 1);
   const uint8_t* data;
   const float* params;
 
@@ -142,7 +151,7 @@ struct TileDecoder {
       : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * kParams) {}
 
   void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
-    decode<kInt4, kMins>(data + b * kBlockBytes, params + b * kParams, t, lo, hi);
+    decode<kInt4, kMins, kHalves>(data + b * kBlockBytes, params + b * kParams, t, lo, hi);
   }
 };
 
@@ -242,14 +251,18 @@ TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& da
                   (int4 || data.scalar_type() == torch::kInt8), "data: uint8 [N / 4, K / 32, 4, 16] or int8 [.., 32]");
   const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
   TORCH_CHECK(blocks * 32 == x.size(1), "data does not match K");
-  const bool mins = params.size(2) == 2 * kTile;
+  const bool halves = params.dim() == 4;  // int8 group 16: [.., 2, P]
+  const int64_t P = params.size(-1);
+  const bool mins = P == 2 * kTile;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
-                  params.size(1) == blocks && (mins || (!int4 && params.size(2) == kTile)),
-              "params: float32 [N / 4, K / 32, 8], or [.., 4] for int8 without mins");
+                  params.size(1) == blocks && (params.dim() == 3 || (halves && !int4 && params.size(2) == 2)) &&
+                  (mins || (!int4 && P == kTile)),
+              "params: float32 [N / 4, K / 32, 8], or [.., 4] for int8 without mins; int8 group 16: [.., 2, 8 or 4]");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kTile * data.size(3) + params.size(2) * 4)));
-  return {x.size(0), N, x.size(1), blocks, int4, mins, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+  const int64_t block_bytes = kTile * data.size(3) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * block_bytes));
+  return {x.size(0), N, x.size(1), blocks, int4, mins, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
 }
 
 namespace {
@@ -261,6 +274,9 @@ void tiled_into(const TileOperands& o, const torch::Tensor& x, const torch::Tens
   const float* xp = x.data_ptr<float>();
   if (o.int4) {
     run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk);
+  } else if (o.halves) {
+    o.mins ? run<TileDecoder<false, true, true>>(w, xp, yp, o.M, o.chunk)
+           : run<TileDecoder<false, false, true>>(w, xp, yp, o.M, o.chunk);
   } else if (o.mins) {
     run<TileDecoder<false, true>>(w, xp, yp, o.M, o.chunk);
   } else {

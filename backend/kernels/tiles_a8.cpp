@@ -18,6 +18,10 @@
 // The weights are vpdpbusd's unsigned side, x its signed one: int4 levels 0..15 as they are,
 // int8 weights stored as qw + 128, and 128 * sum(qx) of x's block (exact in float) taken off
 // the products before the scale.
+//
+// int8 group 16 (GGUF's K-quants: a scale, and a min, per half block): words 0..3 and 4..7 of
+// a block are summed apart, two chains of 4 vpdpbusd, each half scaled by its own scale; the
+// + 128 correction and the mins' share then take x's sum over each half (Activations::halves).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -40,12 +44,23 @@ constexpr int64_t kChunkBytes = 256 << 10;  // a thread's tiles per round of pas
 struct Activations {
   std::vector<uint8_t> q;      // [passes, blocks, kPassRows, 32]
   std::vector<float> d, sums, offsets;  // [passes, blocks, kPassRows]
+  // group 16's weights only: each half block's d * sum(q) and 128 * sum(q), [.., kPassRows, 4]
+  std::vector<float> halves;
 };
 
-VNNI Activations quantize(const float* x, int64_t M, int64_t K) {
+// A block's two halves' sums of q (group 16's weights): d * sum and 128 * sum of each.
+VNNI inline void half_sums(__m512i qlo, __m512i qhi, float d, float* out) {
+  const int32_t lo = _mm512_reduce_add_epi32(qlo), hi = _mm512_reduce_add_epi32(qhi);
+  out[0] = d * static_cast<float>(lo);
+  out[1] = d * static_cast<float>(hi);
+  out[2] = static_cast<float>(128 * lo);
+  out[3] = static_cast<float>(128 * hi);
+}
+
+VNNI Activations quantize(const float* x, int64_t M, int64_t K, bool halves) {
   const int64_t blocks = K / kBlock, slots = (M + kPassRows - 1) / kPassRows * kPassRows * blocks;
   Activations a{std::vector<uint8_t>(slots * kBlock), std::vector<float>(slots), std::vector<float>(slots),
-                std::vector<float>(slots)};
+                std::vector<float>(slots), std::vector<float>(halves ? slots * 4 : 0)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + m * K + b * kBlock;
@@ -63,6 +78,7 @@ VNNI Activations quantize(const float* x, int64_t M, int64_t K) {
       a.d[i] = d;
       a.sums[i] = d * static_cast<float>(sum);
       a.offsets[i] = static_cast<float>(128 * sum);
+      if (halves) half_sums(qlo, qhi, d, a.halves.data() + i * 4);
     }
   }
   return a;
@@ -70,7 +86,7 @@ VNNI Activations quantize(const float* x, int64_t M, int64_t K) {
 
 struct Problem {
   const uint8_t* data;  // [N / 16, blocks, 4, 64] (int4) or [.., 8, 64] (int8 + 128): formats.tile_weight
-  const float* params;  // [N / 16, blocks, P]: 16 scales, then 16 mins if any
+  const float* params;  // [N / 16, blocks, P]: 16 scales, then 16 mins if any; group 16: [.., 2, P]
   const float* bias;    // [N] or null
   const Activations* x;
   float* y;             // [M, N]
@@ -107,8 +123,48 @@ VNNI inline __m512i block_products(const __m512i (&w)[8], const uint8_t* xq) {
   return _mm512_add_epi32(even, odd);
 }
 
-// Outputs tile * 16 .. + 15 of rows r0 .. r0 + R - 1.
-template <bool kInt4, bool kMins, int R>
+// A block's scales (and mins) of its two halves, each [16] (int8 group 16: formats.Tiles).
+struct HalfParams {
+  __m512 scale[2], min[2];
+};
+
+template <bool kMins>
+VNNI inline HalfParams half_params(const float* sm) {
+  constexpr int kHalf = kMins ? 2 * kRows : kRows;
+  HalfParams hp;
+  for (int h = 0; h < 2; ++h) {
+    hp.scale[h] = _mm512_loadu_ps(sm + h * kHalf);
+    hp.min[h] = kMins ? _mm512_loadu_ps(sm + h * kHalf + kRows) : _mm512_setzero_ps();
+  }
+  return hp;
+}
+
+// acc + block's share of the 16 rows, int8 group 16: the products of words 0..3 (inputs
+// 0..15) and 4..7 summed apart (exact integers), each less 128 * its half of x's sum and
+// scaled by its half's scale; the mins' share by x's sums over each half. `xh`: the slot's
+// Activations::halves.
+template <bool kMins>
+VNNI inline __m512 add_halves(const __m512i (&w)[8], const uint8_t* xq, float xd, const float* xh,
+                              const HalfParams& hp, __m512 acc) {
+  const auto* words = reinterpret_cast<const int32_t*>(xq);
+  __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int j = 0; j < 4; ++j) {  // the two halves' chains side by side, for the latency
+    sum[0] = _mm512_dpbusd_epi32(sum[0], w[j], _mm512_set1_epi32(words[j]));
+    sum[1] = _mm512_dpbusd_epi32(sum[1], w[j + 4], _mm512_set1_epi32(words[j + 4]));
+  }
+  const __m512 dx = _mm512_set1_ps(xd);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(sum[h]), _mm512_set1_ps(xh[2 + h]));  // below 2^24: exact
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(hp.scale[h], dx), acc);
+  }
+  if constexpr (kMins) {
+    for (int h = 0; h < 2; ++h) acc = _mm512_fmadd_ps(hp.min[h], _mm512_set1_ps(xh[h]), acc);
+  }
+  return acc;
+}
+
+// Outputs tile * 16 .. + 15 of rows r0 .. r0 + R - 1; kHalves: int8 group 16.
+template <bool kInt4, bool kMins, bool kHalves, int R>
 VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   constexpr int64_t kBlockBytes = kRows * (kInt4 ? 16 : 32);
   const uint8_t* data = p.data + tile * p.blocks * kBlockBytes;
@@ -116,20 +172,29 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   const int64_t pass = r0 / kPassRows * p.blocks * kPassRows;  // the pass's first slot
   const uint8_t* xq = p.x->q.data() + pass * kBlock;
   const float *xd = p.x->d.data() + pass, *xs = p.x->sums.data() + pass, *xo = p.x->offsets.data() + pass;
+  const float* xh = kHalves ? p.x->halves.data() + pass * 4 : nullptr;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i w[8];
     load_block<kInt4>(data + b * kBlockBytes, w);
     const float* sm = params + b * p.params_per_block;
-    const __m512 scales = _mm512_loadu_ps(sm);
-    const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t slot = b * kPassRows + r;
-      __m512 dot = _mm512_cvtepi32_ps(block_products<kInt4>(w, xq + slot * kBlock));
-      if constexpr (!kInt4) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, _mm512_set1_ps(xd[slot])), acc[r]);
-      if constexpr (kMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
+    if constexpr (kHalves) {
+      const HalfParams hp = half_params<kMins>(sm);
+      for (int r = 0; r < R; ++r) {
+        const int64_t slot = b * kPassRows + r;
+        acc[r] = add_halves<kMins>(w, xq + slot * kBlock, xd[slot], xh + slot * 4, hp, acc[r]);
+      }
+    } else {
+      const __m512 scales = _mm512_loadu_ps(sm);
+      const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t slot = b * kPassRows + r;
+        __m512 dot = _mm512_cvtepi32_ps(block_products<kInt4>(w, xq + slot * kBlock));
+        if constexpr (!kInt4) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, _mm512_set1_ps(xd[slot])), acc[r]);
+        if constexpr (kMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
+      }
     }
   }
   const int64_t n = tile * kRows;
@@ -141,7 +206,7 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   }
 }
 
-template <bool kInt4, bool kMins>
+template <bool kInt4, bool kMins, bool kHalves = false>
 VNNI void run(const Problem& p, int64_t M) {
   at::parallel_for(0, p.N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t from = begin; from < end; from += p.chunk) {
@@ -149,14 +214,14 @@ VNNI void run(const Problem& p, int64_t M) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
         for (int64_t tile = from; tile < to; ++tile) {
           switch (std::min<int64_t>(kPassRows, M - r0)) {
-            case 1: tile_dot<kInt4, kMins, 1>(p, tile, r0); break;
-            case 2: tile_dot<kInt4, kMins, 2>(p, tile, r0); break;
-            case 3: tile_dot<kInt4, kMins, 3>(p, tile, r0); break;
-            case 4: tile_dot<kInt4, kMins, 4>(p, tile, r0); break;
-            case 5: tile_dot<kInt4, kMins, 5>(p, tile, r0); break;
-            case 6: tile_dot<kInt4, kMins, 6>(p, tile, r0); break;
-            case 7: tile_dot<kInt4, kMins, 7>(p, tile, r0); break;
-            default: tile_dot<kInt4, kMins, 8>(p, tile, r0); break;
+            case 1: tile_dot<kInt4, kMins, kHalves, 1>(p, tile, r0); break;
+            case 2: tile_dot<kInt4, kMins, kHalves, 2>(p, tile, r0); break;
+            case 3: tile_dot<kInt4, kMins, kHalves, 3>(p, tile, r0); break;
+            case 4: tile_dot<kInt4, kMins, kHalves, 4>(p, tile, r0); break;
+            case 5: tile_dot<kInt4, kMins, kHalves, 5>(p, tile, r0); break;
+            case 6: tile_dot<kInt4, kMins, kHalves, 6>(p, tile, r0); break;
+            case 7: tile_dot<kInt4, kMins, kHalves, 7>(p, tile, r0); break;
+            default: tile_dot<kInt4, kMins, kHalves, 8>(p, tile, r0); break;
           }
         }
       }
@@ -165,8 +230,8 @@ VNNI void run(const Problem& p, int64_t M) {
 }
 
 // x: contiguous float32 [M, K]; data: uint8 [N / 16, K / 32, 4, 64] (int4) or [.., 8, 64] (int8);
-// params: float32 [N / 16, K / 32, 32] (scales, mins) or [.., 16] (int8 without mins: scales);
-// bias: [N], or undefined / empty for none.
+// params: float32 [N / 16, K / 32, 32] (scales, mins) or [.., 16] (int8 without mins: scales),
+// int8 group 16 [N / 16, K / 32, 2, 32 or 16] (each half's); bias: [N], or undefined / empty for none.
 TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -175,24 +240,30 @@ TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data
                   data.scalar_type() == torch::kUInt8, "data: uint8 [N / 16, K / 32, 4 (int4) or 8 (int8), 64]");
   const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kRows;
   TORCH_CHECK(blocks * kBlock == x.size(1), "data does not match K");
-  const int64_t P = params.size(2);
+  const bool halves = params.dim() == 4;  // int8 group 16
+  const int64_t P = params.size(-1);
   const bool mins = P == 2 * kRows;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
-                  params.size(1) == blocks && (mins || (!int4 && P == kRows)),
-              "params: float32 [N / 16, K / 32, 32], or [.., 16] for int8 without mins");
+                  params.size(1) == blocks && (params.dim() == 3 || (halves && !int4 && params.size(2) == 2)) &&
+                  (mins || (!int4 && P == kRows)),
+              "params: float32 [N / 16, K / 32, 32], or [.., 16] for int8 without mins; group 16: [.., 2, 32 or 16]");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * (kRows * (int4 ? 16 : 32) + P * 4)));
-  return {x.size(0), N, x.size(1), blocks, int4, mins, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+  const int64_t block_bytes = kRows * (int4 ? 16 : 32) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * block_bytes));
+  return {x.size(0), N, x.size(1), blocks, int4, mins, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
 }
 
 void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data,
                    const torch::Tensor& params, float* yp, bool accumulate) {
-  const Activations a = quantize(x.data_ptr<float>(), o.M, o.K);
+  const Activations a = quantize(x.data_ptr<float>(), o.M, o.K, o.halves);
+  const int64_t params_per_block = params.size(-1) * (o.halves ? 2 : 1);
   const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
-                  o.N, o.K, o.blocks, params.size(2), o.chunk, accumulate};
+                  o.N, o.K, o.blocks, params_per_block, o.chunk, accumulate};
   if (o.int4) {
     run<true, true>(p, o.M);
+  } else if (o.halves) {
+    o.mins ? run<false, true, true>(p, o.M) : run<false, false, true>(p, o.M);
   } else if (o.mins) {
     run<false, true>(p, o.M);
   } else {

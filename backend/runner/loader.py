@@ -3,110 +3,118 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from backend.contract.vision import VisionInfo
 from backend.runner.convert import source_gguf
+from backend.runner.gguf_load import load_gguf_weights
+from backend.runner.gguf_model import gguf_source
+from backend.runner.hf_config import SUPPORTED_ARCHITECTURES, is_m2m100, load_model_config
 from backend.runner.models.llama import LlamaForCausalLM
-from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
 from backend.runner.models.qwen2_5_vl_vision import Qwen2_5VisionEncoder
 from backend.runner.models.qwen2_vl_vision import Qwen2VisionEncoder, is_vision_weight, strip_vision_prefix
+from backend.runner.models.transformers_lm import TransformersCausalLM
 from backend.runner.quant.apply import QuantSpec, quantize_model, resolve_auto
-from backend.runner.weights import eos_token_ids, iter_weights, weight_files
-from backend.types.model_config import ModelConfig, RopeConfig
+from backend.runner.transformers_loader import NotServable, load_transformers_model, transformers_class
+from backend.runner.weights import iter_weights, weight_files, weight_formats
+from backend.settings.paths import model_name
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MiMoForCausalLM",  # Qwen2 plus MTP layers (backend/runner/models/mtp.py)
-    "Qwen2VLForConditionalGeneration",  # a Qwen2 with M-RoPE plus a vision tower (visual.*)
-    "Qwen2_5_VLForConditionalGeneration",
-)
-_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mimo": "MiMoForCausalLM",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-}
-# vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
-_VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
-_QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
+GENERIC_PATH = "transformers' modeling code, our paged attention and matmuls"
+MODEL_IMPLS = ("auto", "native", "transformers")  # MODEL_IMPL: which forward runs a model (load_model)
 _MTP_PREFIX = "model.mtp_layers."
-_ROPE_TYPES = ("default", "linear", "llama3")
 # transformers 5 saves a vision-language model's text weights under model.language_model.
 _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
-    folder = Path(path)
-    top = json.loads((folder / "config.json").read_text())
-    # A vision-language config nests the language model's settings in text_config (transformers
-    # 5); released checkpoints have them top-level. Nested values win; model_type stays the top's.
-    raw = dict(top)
-    if top.get("text_config"):
-        raw.update(top["text_config"], model_type=top.get("model_type"))
-    arch = _architecture(raw)
-    num_heads = raw["num_attention_heads"]
-    model_type = raw.get("model_type", "")
-    # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Mistral/Qwen3 put
-    # `attention_bias` on all four projections.
-    qwen2 = model_type in ("qwen2", "mimo") or arch in _QWEN2_LIKE
-    attention_bias = qwen2 or bool(raw.get("attention_bias", False))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        rope=_rope_config(raw, arch),
-        # transformers reads a composite config's tie top-level, or (older saves) in text_config
-        tie_word_embeddings=bool(top.get("tie_word_embeddings", False) or raw.get("tie_word_embeddings", False)),
-        attention_bias=attention_bias,
-        o_proj_bias=attention_bias and not qwen2,
-        qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(raw, arch),
-        eos_token_ids=eos_token_ids(folder, raw),
-        bos_token_id=raw.get("bos_token_id"),
-        num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
-        mrope_section=_mrope_section(raw, arch),
-        vision=_vision_info(top, arch),
-    )
-
-
-def is_m2m100(path: str | Path) -> bool:
-    """Whether the folder holds an NLLB / M2M100 (encoder-decoder) checkpoint."""
-    raw = json.loads((Path(path) / "config.json").read_text())
-    return raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == M2M100_ARCHITECTURE
-
-
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
-) -> LlamaForCausalLM | M2M100ForTranslation:
-    """The folder's model; its MTP layers, when the checkpoint ships them, in `model.mtp`.
-    An NLLB / M2M100 folder gives M2M100ForTranslation (backend/runner/models/m2m100_decoder.py).
-    `quant` (QUANT) quantizes the decoder's linears: backend/runner/quant/apply.py."""
+    path: str | Path, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None, impl: str = "auto"
+) -> LlamaForCausalLM | M2M100ForTranslation | TransformersCausalLM:
+    """The folder's model: on our own forward where it takes the architecture (its MTP layers,
+    when the checkpoint ships them, in `model.mtp`), else on the generic path (transformers'
+    modeling code: backend/runner/models/transformers_lm.py); `impl` (MODEL_IMPL) forces one:
+    native | transformers. An NLLB / M2M100 folder gives M2M100ForTranslation
+    (backend/runner/models/m2m100_decoder.py). `quant` (QUANT) quantizes the decoder's linears:
+    backend/runner/quant/apply.py."""
     folder = Path(path)
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"MODEL_IMPL must be one of {', '.join(MODEL_IMPLS)}; got {impl!r}")
     if is_m2m100(folder):
         if quant is not None and quant.kind not in ("none", "auto"):
             raise ValueError(f"QUANT={quant.kind} serves decoder-only models; {folder} is an NLLB / M2M100 model")
         return M2M100ForTranslation.load(folder, dtype, device)
+    refusal = "MODEL_IMPL=transformers" if impl == "transformers" else _native_refusal(folder)
+    if refusal is None:
+        return _load_native(folder, dtype, device, quant)
+    if impl == "native":
+        raise ValueError(f"MODEL_IMPL=native: {refusal}")
+    return _load_generic(folder, dtype, device, quant, refusal)
+
+
+def _native_refusal(folder: Path) -> str | None:
+    """Why our own forward does not take the folder's model (None: it does)."""
+    try:
+        load_model_config(folder)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _load_generic(folder: Path, dtype, device, quant: QuantSpec | None, refusal: str) -> TransformersCausalLM:
+    """The generic path's model, or one error saying why neither path serves it."""
+    if quant is not None and quant.kind not in ("none", "auto"):
+        raise ValueError(f"QUANT={quant.kind} runs on our own forward; {folder.name} runs on the transformers path "
+                         f"({refusal})")  # fmt: skip
+    raw = json.loads((folder / "config.json").read_text())
+    try:
+        return load_transformers_model(folder, raw, dtype, device)
+    except NotServable as e:
+        raise _not_served(folder, raw, e, refusal) from None
+
+
+def _not_served(folder: Path, raw: dict, reason: NotServable, refusal: str) -> ValueError:
+    """One error saying why neither path serves the folder's model, and what each takes."""
+    # a supported architecture's variant our forward refused: say which, else the list
+    ours = refusal if (raw.get("architectures") or [None])[0] in SUPPORTED_ARCHITECTURES else None
+    return ValueError(
+        f"{model_name(folder)} is not served: {reason}. Our own forward takes {', '.join(SUPPORTED_ARCHITECTURES)}"
+        + (f" ({ours})" if ours else "")
+        + "; transformers' modeling code takes any decoder-only *ForCausalLM it implements whose layers all "
+        "attend (no recurrent or convolution layers)"
+    )
+
+
+def describe_model(path: str | Path, impl: str = "auto") -> str:
+    """One line for `make serve`: which forward runs the folder's model and its weights' formats;
+    ValueError where neither can (from config.json: the generic path's probe runs at load)."""
+    folder = Path(path)
+    if is_m2m100(folder):
+        return f"{model_name(folder)}: an NLLB / M2M100 translation model on our own forward"
+    refusal = "MODEL_IMPL=transformers" if impl == "transformers" else _native_refusal(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if refusal is None:
+        where = f"{raw['architectures'][0] if raw.get('architectures') else raw.get('model_type')} on our own forward"
+    elif impl == "native":
+        raise ValueError(f"MODEL_IMPL=native: {refusal}")
+    else:
+        try:
+            where = f"{transformers_class(raw)} on the transformers path ({GENERIC_PATH})"
+        except NotServable as e:
+            raise _not_served(folder, raw, e, refusal) from None
+    return f"{model_name(folder)}: {where}; weights {weight_formats(folder)}"
+
+
+def _load_native(folder: Path, dtype, device, quant: QuantSpec | None) -> LlamaForCausalLM:
     cfg = load_model_config(folder)
     model = LlamaForCausalLM(cfg, dtype, device)
+    source = gguf_source(folder)
+    if source is not None:  # a GGUF file's prepared folder: the weights come from the file
+        load_gguf_weights(model, source, _raw_model_type(folder), quant or QuantSpec(), device)
+        print(f"model: {cfg.architecture} on our own forward", file=sys.stderr)
+        return model.eval()
     mtp_weights: list[tuple[str, torch.Tensor]] = []
     vision_weights: dict[str, torch.Tensor] = {}
 
@@ -130,7 +138,12 @@ def load_model(
     if quant is not None:
         gguf_file = source_gguf(folder)
         quantize_model(model, resolve_auto(quant, model, device, gguf_file), gguf_file)
+    print(f"model: {cfg.architecture} on our own forward", file=sys.stderr)
     return model.eval()
+
+
+def _raw_model_type(folder: Path) -> str:
+    return json.loads((folder / "config.json").read_text()).get("model_type", "")
 
 
 def _vision_encoder(folder: Path, family: str, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -139,84 +152,3 @@ def _vision_encoder(folder: Path, family: str, weights: dict[str, torch.Tensor])
     if "patch_embed.proj.weight" not in weights:
         raise ValueError(f"no vision weights (visual.*) in {folder}")
     return encoder(encoder.config_class.load(folder), weights)
-
-
-def _architecture(raw: dict[str, Any]) -> str:
-    # A config without `architectures` (hand-written, or from to_dict()) names its model_type.
-    archs = raw.get("architectures") or [
-        _BY_MODEL_TYPE.get(raw.get("model_type"), f"model_type={raw.get('model_type')!r}")
-    ]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
-        raise ValueError(f"unsupported {arch} variant: hidden_act={raw.get('hidden_act')}, mlp_bias")
-    return arch
-
-
-def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta included); older configs have
-    # top-level `rope_theta` and an optional `rope_scaling` using "type" or "rope_type".
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "mrope" and arch in _VISION_FAMILIES:  # Qwen2-VL's older name: default frequencies
-        rope_type = "default"
-    if rope_type not in _ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"unsupported RoPE scaling {params} for {arch}; supported types: {_ROPE_TYPES}")
-    return RopeConfig(
-        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-    )
-
-
-def _mrope_section(raw: dict[str, Any], arch: str) -> tuple[int, ...]:
-    """A vision-language model's M-RoPE split of the frequency pairs; () for 1-D RoPE models."""
-    if arch not in _VISION_FAMILIES:
-        return ()
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not params.get("mrope_section"):
-        raise ValueError(f"{arch} config has no mrope_section in rope_parameters or rope_scaling")
-    return tuple(int(n) for n in params["mrope_section"])
-
-
-def _vision_info(top: dict[str, Any], arch: str) -> VisionInfo | None:
-    """The vision facts of a vision-language config (token ids top-level, or in text_config for
-    some saves; patch layout in vision_config); None for text-only models."""
-    family = _VISION_FAMILIES.get(arch)
-    if family is None:
-        return None
-    text, vision = top.get("text_config") or {}, top.get("vision_config") or {}
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    missing = [n for n in names if top.get(n, text.get(n)) is None]
-    if missing:
-        raise ValueError(f"{arch} config is missing {missing}")
-    return VisionInfo(
-        family,
-        *(int(top.get(n, text.get(n))) for n in names),
-        patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
-        merge_size=int(vision.get("spatial_merge_size", 2)),
-        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
-        # transformers' Qwen2_5_VLVisionConfig default, for a config that leaves it out
-        tokens_per_second=float(vision.get("tokens_per_second", 4)) if family == "qwen2_5_vl" else 0.0,
-    )
-
-
-def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    # Qwen configs carry a sliding_window that is off unless use_sliding_window is set.
-    if arch in (*_QWEN2_LIKE, "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return ()
-    num_layers = raw["num_hidden_layers"]
-    layer_types = raw.get("layer_types")
-    if layer_types is None and arch == "MistralForCausalLM":
-        layer_types = ["sliding_attention"] * num_layers
-    elif layer_types is None:
-        first_sliding = raw.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)

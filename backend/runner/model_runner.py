@@ -17,6 +17,7 @@ from backend.runner.drafters import DraftModelRunner, MtpRunner, allocate_kv, kv
 from backend.runner.forward_batch import ForwardBatch, Span, build_forward_batch
 from backend.runner.loader import load_model
 from backend.runner.models.m2m100_cross import CrossPlan, build_cross_plan, cross_slots
+from backend.runner.models.transformers_lm import TransformersCausalLM
 from backend.runner.quant.apply import QuantSpec
 from backend.runner.vision_inputs import mrope_ids, vision_embeds
 from backend.sampling import logprobs as lp
@@ -74,10 +75,11 @@ class ModelRunner:
         quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric,
                           activations=config.quant_activations, gemm=config.quant_gemm,
                           gemv_max_rows=config.quant_gemv_max_rows)  # fmt: skip
-        self.model = load_model(config.model_path, self.dtype, self.device, quant)
+        self.model = load_model(config.model_path, self.dtype, self.device, quant, config.model_impl)
         quantized = getattr(self.model, "lm_head_q", None) is not None
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device, quantized)  # the target's; MTP, drafts: dtype
         self.model_config = self.model.config
+        self.native = not isinstance(self.model, TransformersCausalLM)  # False: the generic path
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         mc = self.model_config
@@ -90,8 +92,9 @@ class ModelRunner:
             self.draft.allocate(self.num_blocks, self.block_size)
         # a translation model (M2M100): its requests' encoders run in the step that admits them
         self.encoder_decoder = bool(getattr(mc, "is_encoder_decoder", False))
-        # the adapters' lanes (backend.lora.lanes), when the server serves adapters (decoder-only models)
-        serves_lora = config.max_loras and not self.encoder_decoder
+        # the adapters' lanes (backend.lora.lanes), when the server serves adapters (decoder-only
+        # models on our own forward)
+        serves_lora = config.max_loras and not self.encoder_decoder and self.native
         self.lora = LoraLanes(config.max_loras, mc, self.dtype, self.device) if serves_lora else None
         # a vision-language model (backend.vision): M-RoPE ids for every step, and the
         # encoder's outputs of recent items (the engine's EncoderCache, which it sets)

@@ -4,6 +4,7 @@ Every model's loader uses these (backend.runner.loader, the M2M100 and Qwen2-VL 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,23 @@ def eos_token_ids(folder: Path, raw: dict[str, Any]) -> tuple[int, ...]:
             if token is not None and token not in ids:
                 ids.append(token)
     return tuple(ids)
+
+
+def weight_formats(folder: Path) -> str:
+    """The folder's weights by format and tensor count: a GGUF file's block formats (served as
+    they are under QUANT=auto), or the safetensors' dtypes."""
+    from backend.runner.gguf_model import gguf_source
+    from backend.runner.quant.gguf_blocks import read_tensor_table
+
+    source = gguf_source(folder)
+    if source is not None:
+        counts = Counter(t.type_name for t in read_tensor_table(source))
+        return f"of {source.name}: " + ", ".join(f"{name} x {n}" for name, n in counts.most_common())
+    counts = Counter()
+    for file in weight_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            counts.update(str(f.get_slice(name).get_dtype()) for name in f.keys())
+    return "in safetensors: " + ", ".join(f"{name} x {n}" for name, n in counts.most_common())
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class EngineConfig:
     model_path: str
+    # which forward runs the model: auto (ours where it takes the architecture, else
+    # transformers' modeling code with our paged attention) | native | transformers
+    model_impl: str = "auto"
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     device: str | None = None  # None: cuda when present, else cpu
     block_size: int = 16  # tokens per KV block
@@ -70,6 +73,7 @@ class EngineConfig:
             return int(env[name]) if env.get(name) else None
 
         cfg = cls(model_path=model_path or env["LLM_MODEL_PATH"])
+        cfg.model_impl = env.get("MODEL_IMPL") or cfg.model_impl
         cfg.dtype = env.get("DTYPE") or None
         cfg.device = env.get("DEVICE") or None
         for name, attr in (

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.contract import EARLY_STOPPING, ContractError
+from backend.settings.paths import base_model_name, gguf_source_file
 
 MODEL_SETTINGS_FILE = "MODEL.toml"
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -175,9 +176,12 @@ class ModelSettings:
 
 
 def find_settings_file(model_dir: Path) -> Path | None:
-    """The model's own MODEL.toml, else the shipped preset named after its folder, else the
-    one for its architecture (`presets/model_type/<config.json model_type>.toml`), else None."""
-    candidates = [model_dir / MODEL_SETTINGS_FILE, PRESETS_DIR / f"{model_dir.name}.toml"]
+    """The model's own MODEL.toml (a GGUF file's: beside the file), else the shipped preset named
+    after its folder (a GGUF file: its name without the quantization tag), else the one for its
+    architecture (`presets/model_type/<config.json model_type>.toml`), else None."""
+    source = gguf_source_file(model_dir)
+    own = model_dir / MODEL_SETTINGS_FILE if source is None else source.parent / MODEL_SETTINGS_FILE
+    candidates = [own, PRESETS_DIR / f"{base_model_name(model_dir)}.toml"]
     model_type = _model_type(model_dir)
     if model_type:
         candidates.append(PRESETS_DIR / "model_type" / f"{model_type}.toml")

@@ -252,11 +252,13 @@ class LlamaForCausalLM(torch.nn.Module):
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate-half's sign, as in `rotary`
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face checkpoint tensors (name, tensor) into the fused parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], elsewhere: set[str] = frozenset()) -> None:
+        """Copy Hugging Face checkpoint tensors (name, tensor) into the fused parameters; the
+        names in `elsewhere` come otherwise (a GGUF file's blocks: backend/runner/gguf_weights.py)."""
         tied = self.config.tie_word_embeddings
         kept = ((n, t) for n, t in weights if not (n == "lm_head.weight" and tied))
-        copy_weights(self, self._weight_targets(), kept, self.config.architecture)
+        targets = {name: target for name, target in self._weight_targets().items() if name not in elsewhere}
+        copy_weights(self, targets, kept, self.config.architecture)
 
     def _weight_targets(self) -> dict[str, tuple[str, slice]]:
         """Checkpoint name -> (our parameter, the checkpoint rows' place in it)."""

@@ -66,9 +66,15 @@ def resolve_auto(spec: QuantSpec, model: torch.nn.Module, device: torch.device, 
     return replace(spec, kind=kind, group=group, symmetric=symmetric)
 
 
-def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None) -> int:
+def quantize_model(
+    model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | None = None,
+    blocks: dict[str, QuantizedWeight] | None = None,
+) -> int:  # fmt: skip
     """Quantize `model`'s decoder linears and lm_head in place; returns how many weights came
-    from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ)."""
+    from `gguf_file`'s blocks as they are (0 without a file, or when its formats differ), or
+    from `blocks` (a GGUF model's linears in their own formats: backend/runner/gguf_weights.py,
+    multiplied by int8 activations where QUANT_ACTIVATIONS=auto and the CPU has VNNI; the
+    linears it lacks are quantized as `spec` says)."""
     if spec.activations == "int8" and "avx512_vnni" not in cpu_flags():
         raise ValueError("QUANT_ACTIVATIONS=int8 needs a CPU with AVX-512 VNNI")
     if spec.activations == "int8" and (spec.kind == "none" or native() is None):
@@ -77,10 +83,11 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         return 0
     # built (make setup) or built now, at load, rather than at the first request; without it
     # the weights have no tiles and multiply float32 activations
-    multiplied_by = activations_for(spec.kind, spec.activations) if native() is not None else "float32"
+    kind = "int4" if blocks else spec.kind  # a GGUF file's blocks: llama.cpp's int8 activations
+    multiplied_by = activations_for(kind, spec.activations) if native() is not None else "float32"
     gemm_dtype = GEMM_DTYPES[spec.gemm]
     cfg = model.config
-    taken: dict[str, QuantizedWeight] = {}
+    taken: dict[str, QuantizedWeight] = dict(blocks or {})
     if gguf_file is not None:
         linear_type = gguf_type(spec.kind, spec.group, spec.symmetric)
         taken = read_gguf_weights(gguf_file, cfg.num_heads, cfg.num_kv_heads, linear_type)
@@ -88,6 +95,8 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
         for attr in LINEARS:
             param = getattr(layer, attr)
             weight = taken.get(f"layers.{i}.{attr}")
+            if blocks is not None and weight is None:
+                continue  # a linear the GGUF file keeps in floats stays float
             if weight is None or not _same_shape(weight, param):
                 weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
             weight.tiles = _gemv_tiles(weight, multiplied_by)
@@ -95,15 +104,21 @@ def quantize_model(model: torch.nn.Module, spec: QuantSpec, gguf_file: Path | No
             del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
             setattr(layer, attr, weight)
     head = taken.get("lm_head_t")
-    if head is None or not _same_shape(head, model.lm_head_t):  # int8, as GGUF's Q8_0
+    if blocks is None and (head is None or not _same_shape(head, model.lm_head_t)):  # int8, as GGUF's Q8_0
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
-    head.tiles = _gemv_tiles(head, multiplied_by)
-    head.gemv_max_rows, head.gemm_dtype = spec.gemv_max_rows, gemm_dtype
-    model.lm_head_q = head
-    _tiles_on_huge_pages([*(getattr(layer, a) for layer in model.layers for a in LINEARS), head])
-    source = f"{len(taken)} weights as {gguf_file.name} stores them" if taken else "quantized at load"
-    points = ("symmetric" if spec.symmetric else "zero points") + f", {multiplied_by} activations"
+    if head is not None:
+        head.tiles = _gemv_tiles(head, multiplied_by)
+        head.gemv_max_rows, head.gemm_dtype = spec.gemv_max_rows, gemm_dtype
+        model.lm_head_q = head
+    linears = [getattr(layer, a) for layer in model.layers for a in LINEARS]
+    _tiles_on_huge_pages([w for w in (*linears, head) if isinstance(w, QuantizedWeight)])
     read = weight_bytes(model) / 1e6
+    if blocks:
+        print(f"QUANT=auto: {len(taken)} weights in the GGUF file's own block formats, {multiplied_by} activations; "
+              f"{read:.0f} MB read per token", file=sys.stderr)  # fmt: skip
+        return len(taken)
+    source = f"{len(taken)} weights as the GGUF file stores them" if taken else "quantized at load"
+    points = ("symmetric" if spec.symmetric else "zero points") + f", {multiplied_by} activations"
     print(
         f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr
     )

@@ -8,6 +8,10 @@ A weight of a group is `scale * q + min` (symmetric formats have no min: `scale 
   in its low nibble and weight j + 16 in its high one (GGUF's Q4_1 layout, which is served as
   is; Q4_0 is the symmetric case, min = -8 * scale).
 
+A group is a multiple of 32 (BLOCK), or for int8 16 (HALF): GGUF's K-quants (Q6_K, Q3_K,
+Q2_K) have a scale (and a min) per 16 weights, decoded exactly into int8 g16. QUANT= itself
+(`quantize`) only makes multiples of 32.
+
 `dequantize` is the reference every kernel is checked against (tests/backend/runner/quant);
 `quantize_activations` is the reference of QUANT_ACTIVATIONS=int8's rounding of x.
 """
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 32  # weights per int4 packing block; every group is a multiple of it
+BLOCK = 32  # weights per int4 packing block and per block of the tiles
+HALF = 16  # the one group that is not a multiple of BLOCK: int8 only, two groups a block
 KINDS = ("int8", "int4")
 
 
@@ -37,12 +42,18 @@ class Tiles:
     - int8 activations (tiles_a8.cpp): TILE_A8 rows, a block as 64-byte words: word j of row
       n is its inputs 4j .. 4j + 3 at bytes 4n .. 4n + 3 (int4: inputs 4v.. in the low nibbles
       and 16 + 4v.. in the high ones of vector v), so one vpdpbusd takes 4 inputs of 16 rows.
+
+    Group 16 (int8 only): the data is group 32's; params get a dimension for the block's two
+    halves (inputs 0..15, 16..31), [.., blocks, 2, P], half h's P values as a block's are in
+    group 32's layout. Its 4 dimensions are what tells the kernels (and decode_layer, which
+    hands params to them) that a block has two scales (and mins), whatever P is.
     """
 
     data: torch.Tensor  # float32 activations: [out / TILE, in / 32, TILE, bytes], each row's bytes
     # of the block as in q; int8: uint8 [out / TILE_A8, in / 32, 4 (int4) or 8 (int8: q + 128), 64]
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
-    # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each)
+    # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each);
+    # group 16: [out / TILE, in / 32, 2, 2 * TILE or TILE], half 0's params then half 1's
     params: torch.Tensor
     activations: str = "float32"  # what the GEMV multiplies them by: float32, or int8 (tiles_a8.cpp)
 
@@ -55,7 +66,7 @@ class QuantizedWeight:
     q: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2]
     scales: torch.Tensor  # float32 [out, in / group]
     mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric int8 (int4 always has them)
-    group: int
+    group: int  # a multiple of BLOCK, or HALF (int8 only: GGUF's K-quant sub-blocks)
     # where the native kernels run: the same weights as Tiles (`tile_weight`), which the
     # GEMV reads instead of q, scales and mins (a copy: the reference and the other paths read those)
     tiles: Tiles | None = None
@@ -126,25 +137,33 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles | None:
     """`weight` as Tiles multiplied by `activations`; None where its rows do not make whole tiles."""
+    halves = weight.group == HALF and weight.kind == "int8"
+    if weight.in_features % BLOCK or (weight.group % BLOCK and not halves):
+        raise ValueError(f"tiles take groups a multiple of {BLOCK} or int8 g{HALF}: not {weight.kind} g{weight.group}")
     rows = TILE_A8 if activations == "int8" else TILE
     if weight.out_features % rows:
         return None
     tiles, blocks = weight.out_features // rows, weight.in_features // BLOCK
-
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / rows, blocks, rows]
-        values = values.repeat_interleave(weight.group // BLOCK, dim=1)
-        return values.reshape(tiles, rows, blocks).transpose(1, 2)
-
-    mins = [] if weight.mins is None else [per_block(weight.mins)]
+    mins = [] if weight.mins is None else [_per_block(weight.mins, weight.group, rows)]
+    params = torch.cat([_per_block(weight.scales, weight.group, rows), *mins], dim=-1).contiguous()
     if activations == "int8":
         words = 4 if weight.kind == "int4" else 8  # 4-byte words of a row's block
         q = weight.q if weight.kind == "int4" else (weight.q.to(torch.int16) + 128).to(torch.uint8)  # the unsigned side
         data = q.reshape(tiles, rows, blocks, words, 4).permute(0, 2, 3, 1, 4)
-        data = data.reshape(tiles, blocks, words, rows * 4).contiguous()
-        return Tiles(data, torch.cat([per_block(weight.scales), *mins], dim=2).contiguous(), activations)
+        return Tiles(data.reshape(tiles, blocks, words, rows * 4).contiguous(), params, activations)
     block_bytes = BLOCK // 2 if weight.kind == "int4" else BLOCK
     data = weight.q.reshape(tiles, rows, blocks, block_bytes).transpose(1, 2).contiguous()
-    return Tiles(data, torch.cat([per_block(weight.scales), *mins], dim=2).contiguous(), activations)
+    return Tiles(data, params, activations)
+
+
+def _per_block(values: torch.Tensor, group: int, rows: int) -> torch.Tensor:
+    """A weight's scales or mins [out, in / group] as the tiles' params: [out / rows, blocks,
+    rows], a group's value repeated over its blocks; group 16: [out / rows, blocks, 2, rows]."""
+    out_features, groups = values.shape
+    if group == HALF:
+        return values.reshape(out_features // rows, rows, groups // 2, 2).permute(0, 2, 3, 1)
+    values = values.repeat_interleave(group // BLOCK, dim=1)
+    return values.reshape(out_features // rows, rows, -1).transpose(1, 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -6,18 +6,23 @@ int8). Rows are the weight's output features, as ours are, so a block becomes on
 QuantizedWeight as is: only the scales widen to float32. llama.cpp's converter permutes the
 q and k rows (its RoPE pairs neighbours, ours halves); `_unpermute` restores the Hugging
 Face order, which transformers' GGUF loader also does.
+
+`read_tensor_table` lists a file's tensors of every type; `GgufTensor.weight()` turns those of
+the types gguf_formats.BLOCK_TYPES serves (all of llama.cpp's but the IQ, TQ and FP4 ones)
+into QuantizedWeights or float32 tensors exactly (`gguf_formats.to_weight`).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from backend.runner.quant.formats import BLOCK, QuantizedWeight
+from backend.runner.quant.gguf_formats import BLOCK_TYPES, common_format, gguf_block_size, gguf_type_name, to_weight
 
 # Our parameters' GGUF tensors, in row order (fused ones have several).
 _PARTS = {
@@ -27,45 +32,74 @@ _PARTS = {
     "down_t": ("ffn_down",),
 }
 LM_HEAD_TYPE = "Q8_0"
-# GGUF block type -> (kind, symmetric)
+# The GGUF block types that are QUANT's formats as they are -> (kind, symmetric)
 _FORMATS = {"Q4_1": ("int4", False), "Q4_0": ("int4", True), "Q8_0": ("int8", True)}
 
 
 @dataclass(frozen=True, slots=True)
 class GgufTensor:
     name: str
-    type_name: str  # "Q4_0", "Q4_1" or "Q8_0": the block types we serve as they are
-    rows: int
-    data: np.ndarray  # uint8 [rows, bytes per row], a view of the memory-mapped file
+    type_name: str  # GGML's name of its type: one of gguf_formats.BLOCK_TYPES, or one we do not serve
+    rows: int  # output features (every dimension but the innermost)
+    cols: int  # input features (the innermost dimension)
+    shape: tuple[int, ...]  # its dimensions outermost first, as torch orders them
+    raw: np.ndarray | None = field(default=None, repr=False)  # None: a type we do not serve
+
+    @property
+    def data(self) -> np.ndarray:
+        """uint8 [rows, bytes per row], a view of the memory-mapped file; a ValueError for a
+        tensor whose type we do not serve."""
+        if self.raw is None:
+            raise ValueError(
+                f"GGUF tensor {self.name} is stored as {self.type_name}, which is not served "
+                f"(served: {', '.join(BLOCK_TYPES)})"
+            )
+        return self.raw
+
+    def weight(self) -> QuantizedWeight | torch.Tensor:
+        """Its QuantizedWeight [rows, cols], or a float32 tensor (F32, F16, BF16): `to_weight`."""
+        return to_weight(self.type_name, self.data, self.rows, self.cols)
 
 
-# GGUF's numbering: tensor types we read, metadata value types and their sizes
-_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF's numbering: metadata value types and their sizes
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 
 
 def read_tensor_table(path: Path) -> list[GgufTensor]:
-    """The GGUF file's tensors in the block types we serve (others are left out), as views of
-    the memory-mapped file. Only what locating the tensors needs is parsed: the `gguf`
-    package's reader decodes every metadata string (the whole vocabulary), seconds per load."""
+    """The GGUF file's tensors, as views of the memory-mapped file (one of a type we do not
+    serve is listed too, but its `data` and `weight()` raise a ValueError naming it). Only
+    what locating the tensors needs is parsed: the `gguf` package's reader decodes every
+    metadata string (the whole vocabulary), seconds per load. A file cut short: ValueError."""
     raw, infos, start = _tensor_infos(path)
     tensors = []
-    for name, kind, shape, offset in infos:
-        type_name = _TYPES.get(kind)
-        if type_name is None:
-            continue
-        rows, row_bytes = int(np.prod(shape[1:])), shape[0] // 32 * _BLOCK_BYTES[type_name]
-        data = raw[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
-        tensors.append(GgufTensor(name, type_name, rows, data))
+    for name, kind, dims, offset in infos:
+        type_name = gguf_type_name(kind)
+        cols, rows = (dims[0], int(np.prod(dims[1:]))) if dims else (1, 1)
+        shape = tuple(reversed(dims))
+        at, block = start + offset, gguf_block_size(type_name)
+        if type_name in BLOCK_TYPES and cols % block[0]:
+            raise ValueError(f"GGUF tensor {name}: {cols} columns are not whole {type_name} blocks")
+        row_bytes = 0 if block is None else cols // block[0] * block[1]
+        if at + rows * row_bytes > raw.size:
+            raise ValueError(f"{path} is truncated: tensor {name}'s data runs past its end")
+        data = raw[at : at + rows * row_bytes].reshape(rows, row_bytes) if type_name in BLOCK_TYPES else None
+        tensors.append(GgufTensor(name, type_name, rows, cols, shape, data))
     return tensors
 
 
 def _tensor_infos(path: Path) -> tuple[np.ndarray, list[tuple[str, int, tuple[int, ...], int]], int]:
     """(the mapped file, (name, type, shape, offset) of each tensor, where their data starts)."""
+    if Path(path).stat().st_size == 0:
+        raise ValueError(f"{path} is truncated: it is empty")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buffer = memoryview(raw)
+    try:
+        return raw, *_parse_header(memoryview(raw), path)
+    except (struct.error, IndexError) as error:  # a read past the end of the file
+        raise ValueError(f"{path} is truncated: its header ends early ({error})") from None
+
+
+def _parse_header(buffer: memoryview, path: Path) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int]:
     magic, _version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
@@ -83,11 +117,13 @@ def _tensor_infos(path: Path) -> tuple[np.ndarray, list[tuple[str, int, tuple[in
         shape, at = struct.unpack_from(f"<{dims}Q", buffer, at), at + 8 * dims
         (kind, offset), at = struct.unpack_from("<IQ", buffer, at), at + 12
         infos.append((name, kind, shape, offset))
-    return raw, infos, -(-at // alignment) * alignment
+    return infos, -(-at // alignment) * alignment
 
 
 def _string(buffer: memoryview, at: int) -> tuple[str, int]:
     (size,) = struct.unpack_from("<Q", buffer, at)
+    if at + 8 + size > len(buffer):
+        raise struct.error(f"a string of {size} bytes at {at}")
     return bytes(buffer[at + 8 : at + 8 + size]).decode("utf-8", "replace"), at + 8 + size
 
 
@@ -137,9 +173,9 @@ def linear_format(path: Path) -> tuple[str, int, bool] | None:
     _, infos, _ = _tensor_infos(path)
     parts = {part for names in _PARTS.values() for part in names}
     types = {kind for name, kind, _, _ in infos if name.startswith("blk.") and name.split(".")[2] in parts}
-    if len(types) != 1 or next(iter(types)) not in _TYPES:
+    if len(types) != 1 or gguf_type_name(next(iter(types))) not in _FORMATS:
         return None
-    kind, symmetric = _FORMATS[_TYPES[types.pop()]]
+    kind, symmetric = _FORMATS[gguf_type_name(types.pop())]
     return kind, BLOCK, symmetric
 
 
@@ -151,17 +187,10 @@ def gguf_type(kind: str, group: int, symmetric: bool) -> str | None:
 
 
 def _blocks(tensor: GgufTensor) -> QuantizedWeight:
-    kind, symmetric = _FORMATS[tensor.type_name]
-    rows = tensor.rows
-    blocks = torch.from_numpy(np.array(tensor.data).reshape(rows, -1, _BLOCK_BYTES[tensor.type_name]))
-    scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    if kind == "int8":
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
-        return QuantizedWeight(kind, q, scales.contiguous(), None, BLOCK)
-    start = 2 if symmetric else 4
-    mins = -8 * scales if symmetric else blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-    q = blocks[..., start:].reshape(rows, -1).contiguous()
-    return QuantizedWeight(kind, q, scales.contiguous(), mins.contiguous(), BLOCK)
+    weight = tensor.weight()
+    if not isinstance(weight, QuantizedWeight):
+        raise ValueError(f"GGUF tensor {tensor.name} is {tensor.type_name}, not quantized")
+    return weight
 
 
 def _unpermute(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
@@ -173,6 +202,7 @@ def _unpermute(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
 
 
 def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    parts = common_format(parts) or parts
     first = parts[0]
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
     return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from backend.contract import AdapterCommand, ContractError
 from backend.lora.peft_format import CONFIG_MAX_BYTES, TENSOR_HEADER_BYTES, largest_adapter_bytes, read_adapter
 from backend.lora.registry import AdapterRegistry, LoraConfig
-from backend.runner.loader import load_model_config
+from backend.runner.hf_config import load_model_config
 from backend.settings.engine import EngineConfig
 from tests.helpers.lora_models import ALL_TARGETS, write_adapter, write_tiny_llama
 

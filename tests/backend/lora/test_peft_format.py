@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from backend.contract import AdapterCommand, AdapterNotFound, ContractError
 from backend.lora.peft_format import read_adapter
 from backend.lora.registry import AdapterRegistry, LoraConfig, parse_modules
-from backend.runner.loader import load_model_config
+from backend.runner.hf_config import load_model_config
 from backend.settings.engine import EngineConfig
 from tests.helpers.lora_models import edit_config, write_adapter, write_tiny_llama
 

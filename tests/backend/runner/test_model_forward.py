@@ -24,7 +24,8 @@ from transformers import (
 from backend.runner import convert
 from backend.runner.convert import COMPLETE_MARKER, default_model_path, ensure_default_model
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.loader import load_model, load_model_config
+from backend.runner.hf_config import load_model_config
+from backend.runner.loader import load_model
 from backend.runner.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")

@@ -1,0 +1,165 @@
+"""A Hugging Face folder's config.json as our ModelConfig, for our own forward (the
+architectures it takes, and the variants of them it does not: backend/runner/loader.py then
+tries the generic path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from backend.contract.vision import VisionInfo
+from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
+from backend.runner.weights import eos_token_ids
+from backend.types.model_config import ModelConfig, RopeConfig
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",  # Qwen2 plus MTP layers (backend/runner/models/mtp.py)
+    "Qwen2VLForConditionalGeneration",  # a Qwen2 with M-RoPE plus a vision tower (visual.*)
+    "Qwen2_5_VLForConditionalGeneration",
+)
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mimo": "MiMoForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+# vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
+_VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+_QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    folder = Path(path)
+    top = json.loads((folder / "config.json").read_text())
+    # A vision-language config nests the language model's settings in text_config (transformers
+    # 5); released checkpoints have them top-level. Nested values win; model_type stays the top's.
+    raw = dict(top)
+    if top.get("text_config"):
+        raw.update(top["text_config"], model_type=top.get("model_type"))
+    arch = _architecture(raw)
+    num_heads = raw["num_attention_heads"]
+    model_type = raw.get("model_type", "")
+    # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Mistral/Qwen3 put
+    # `attention_bias` on all four projections.
+    qwen2 = model_type in ("qwen2", "mimo") or arch in _QWEN2_LIKE
+    attention_bias = qwen2 or bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope=_rope_config(raw, arch),
+        # transformers reads a composite config's tie top-level, or (older saves) in text_config
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", False) or raw.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        o_proj_bias=attention_bias and not qwen2,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(raw, arch),
+        eos_token_ids=eos_token_ids(folder, raw),
+        bos_token_id=raw.get("bos_token_id"),
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
+        mrope_section=_mrope_section(raw, arch),
+        vision=_vision_info(top, arch),
+    )
+
+
+def is_m2m100(path: str | Path) -> bool:
+    """Whether the folder holds an NLLB / M2M100 (encoder-decoder) checkpoint."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return raw.get("model_type") == "m2m_100" or (raw.get("architectures") or [None])[0] == M2M100_ARCHITECTURE
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    # A config without `architectures` (hand-written, or from to_dict()) names its model_type.
+    archs = raw.get("architectures") or [
+        _BY_MODEL_TYPE.get(raw.get("model_type"), f"model_type={raw.get('model_type')!r}")
+    ]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
+        raise ValueError(f"unsupported {arch} variant: hidden_act={raw.get('hidden_act')}, mlp_bias")
+    return arch
+
+
+def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta included); older configs have
+    # top-level `rope_theta` and an optional `rope_scaling` using "type" or "rope_type".
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope" and arch in _VISION_FAMILIES:  # Qwen2-VL's older name: default frequencies
+        rope_type = "default"
+    if rope_type not in _ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"unsupported RoPE scaling {params} for {arch}; supported types: {_ROPE_TYPES}")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+    )
+
+
+def _mrope_section(raw: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """A vision-language model's M-RoPE split of the frequency pairs; () for 1-D RoPE models."""
+    if arch not in _VISION_FAMILIES:
+        return ()
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not params.get("mrope_section"):
+        raise ValueError(f"{arch} config has no mrope_section in rope_parameters or rope_scaling")
+    return tuple(int(n) for n in params["mrope_section"])
+
+
+def _vision_info(top: dict[str, Any], arch: str) -> VisionInfo | None:
+    """The vision facts of a vision-language config (token ids top-level, or in text_config for
+    some saves; patch layout in vision_config); None for text-only models."""
+    family = _VISION_FAMILIES.get(arch)
+    if family is None:
+        return None
+    text, vision = top.get("text_config") or {}, top.get("vision_config") or {}
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    missing = [n for n in names if top.get(n, text.get(n)) is None]
+    if missing:
+        raise ValueError(f"{arch} config is missing {missing}")
+    return VisionInfo(
+        family,
+        *(int(top.get(n, text.get(n))) for n in names),
+        patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        merge_size=int(vision.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        # transformers' Qwen2_5_VLVisionConfig default, for a config that leaves it out
+        tokens_per_second=float(vision.get("tokens_per_second", 4)) if family == "qwen2_5_vl" else 0.0,
+    )
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    # Qwen configs carry a sliding_window that is off unless use_sliding_window is set.
+    if arch in (*_QWEN2_LIKE, "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return ()
+    num_layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types is None and arch == "MistralForCausalLM":
+        layer_types = ["sliding_attention"] * num_layers
+    elif layer_types is None:
+        first_sliding = raw.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)

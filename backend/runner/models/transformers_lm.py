@@ -1,0 +1,228 @@
+"""Any decoder-only `*ForCausalLM` transformers implements, run by our engine (the generic path).
+
+transformers' own modeling code computes everything but attention and the linears: norms,
+rotary (partial, NoPE layers, M-RoPE-less variants), residual layouts (parallel, sandwich),
+embedding scales and multipliers (Gemma, Granite), mixture-of-experts routing. Attention is
+`paged_attention_forward` below, registered through transformers' `AttentionInterface` under
+ATTENTION: it writes each layer's new keys and values into our paged KV cache and attends each
+query row over its own sequence (backend/runner/attention.py), so continuous batching, chunked
+prefill, the prefix cache, preemption and speculative verify steps work as for our own
+forward. A layer's sliding window, logit soft-capping (Gemma 2) and attention sinks (gpt-oss)
+come in as the interface's arguments. Every `nn.Linear` becomes a `RowLinear`: our float32
+matmul (dense.cpp: a row's sums in one order whatever the batch) or, with QUANT, our quantized
+kernels. The logits are the model's own head (soft-capping, logit scales included): its
+`forward` runs over given hidden states (`_GivenHidden` stands in for the base model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.runner.attention import AttentionPlan, PagedKv, build_attention_plan, paged_attention, paged_kv, write_kv
+from backend.runner.forward_batch import ForwardBatch
+from backend.runner.models.llama import linear
+from backend.runner.quant.formats import QuantizedWeight
+from backend.types.model_config import ModelConfig
+
+ATTENTION = "engine_paged_kv"  # our attn_implementation's name in transformers' AttentionInterface
+
+
+@dataclass(slots=True)
+class _Step:
+    """What the attention calls of one forward share: the batch, the layers' cache views and
+    one attention plan per sliding window (built by the first layer that needs it)."""
+
+    batch: ForwardBatch
+    kvs: list[PagedKv]
+    query_group: int
+    calls: list[int] | None = None  # where set, each attention call's layer (the load's probe)
+    plans: dict[int | None, AttentionPlan] = field(default_factory=dict)
+
+    def plan(self, window: int | None) -> AttentionPlan:
+        if window not in self.plans:
+            block_size = self.kvs[0].cache.shape[2]
+            dtype = self.kvs[0].keys.dtype if self.kvs[0].keys.dtype != torch.float16 else torch.float32
+            self.plans[window] = build_attention_plan(self.batch, block_size, dtype, window, self.query_group)
+        return self.plans[window]
+
+
+_STEP: list[_Step] = []  # the forward in progress (the engine runs one step at a time)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [1, H, T, D], key / value [1, KV, T, D] (the
+    step's flat batch as one row) -> ([1, T, H, D], no weights). The mask is ours to make."""
+    if not _STEP:
+        raise RuntimeError(f"{ATTENTION} attention runs inside the engine's forward only")
+    step = _STEP[-1]
+    if step.calls is not None:
+        step.calls.append(module.layer_idx)
+    kv = step.kvs[module.layer_idx]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    if k.shape[1:] != kv.keys.shape[1:]:
+        cache = tuple(kv.keys.shape[1:])
+        raise ValueError(f"layer {module.layer_idx}: keys {tuple(k.shape[1:])} do not fit the cache's {cache}")
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    window = sliding_window or None
+    if softcap is None and s_aux is None:
+        out = paged_attention(q, k, v, kv, step.batch, scale, step.plan(window))
+    else:
+        write_kv(kv, k, v, step.batch.slot_mapping)
+        out = _eager_attention(q, kv, step.batch, scale, window, softcap, s_aux)
+    return out.unsqueeze(0), None
+
+
+def _eager_attention(
+    q: torch.Tensor, kv: PagedKv, batch: ForwardBatch, scale: float, window: int | None,
+    softcap: float | None, sinks: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention with what our kernels do not take (soft-capped scores, sinks), one sequence at
+    a time over its cached context, in float32: [T, H, D]."""
+    out = torch.empty_like(q)
+    block_size = kv.cache.shape[2]
+    num_heads, group = q.shape[1], q.shape[1] // kv.keys.shape[1]
+    for i in range(batch.num_seqs):
+        start, end, length = batch.query_start[i], batch.query_start[i + 1], batch.context_lens[i]
+        pos = torch.arange(length)
+        slots = batch.block_tables[i, pos // block_size] * block_size + pos % block_size
+        k, v = (half.index_select(0, slots).float().repeat_interleave(group, dim=1) for half in (kv.keys, kv.values))
+        scores = torch.einsum("thd,lhd->htl", q[start:end].float(), k) * scale  # [H, Tq, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(length - (end - start), length)[:, None]
+        seen = pos[None, :] <= q_pos
+        if window is not None:
+            seen &= pos[None, :] > q_pos - window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:  # a per-head logit that takes a share of the softmax and gives nothing
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, end - start, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("htl,lhd->thd", probs, v).to(q.dtype)
+    return out
+
+
+class RowLinear(torch.nn.Module):
+    """An `nn.Linear` as our engine multiplies: weights stored [in, out] (float32: our dense
+    kernel) or as a QuantizedWeight (QUANT, GGUF blocks); any leading dimensions."""
+
+    def __init__(self, weight_t: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight_t = weight_t
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """nn.Linear's [out, in] (a view), for modeling code that reads it."""
+        if isinstance(self.weight_t, QuantizedWeight):
+            raise AttributeError("a quantized RowLinear has no float weight")
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x.reshape(-1, x.shape[-1]), self.weight_t, self.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def row_linears(model: torch.nn.Module) -> list[tuple[str, RowLinear]]:
+    """Replace every nn.Linear of `model` by a RowLinear holding its weights transposed."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                weight_t = child.weight.detach().t().contiguous()
+                bias = None if child.bias is None else child.bias.detach()
+                row = RowLinear(weight_t, bias)
+                setattr(module, child_name, row)
+                replaced.append((f"{name}.{child_name}" if name else child_name, row))
+    return replaced
+
+
+class _HiddenOutput:
+    """A base model's output holding only the hidden states: what the head's forward reads of it
+    (an attribute it does not have, router logits or caches, reads as None)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> None:  # only for attributes not set
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.last_hidden_state,)[index]
+
+
+class _GivenHidden(torch.nn.Module):
+    """The base model's stand-in while the head's `forward` makes logits of given hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs) -> _HiddenOutput:
+        return _HiddenOutput(self.hidden)
+
+
+class TransformersCausalLM(torch.nn.Module):
+    """A transformers `*ForCausalLM` behind our model interface: forward(batch, kv_caches) ->
+    hidden [T, hidden], compute_logits(hidden) -> [N, vocab] float32."""
+
+    mtp = None  # no MTP layers, vision tower or quantized lm_head of our own on this path
+    visual = None
+    lm_head_q = None
+
+    def __init__(self, hf_model: torch.nn.Module, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.hf = hf_model
+        prefix = hf_model.base_model_prefix
+        self.base = getattr(hf_model, prefix)
+        self._given = _GivenHidden()
+        setattr(hf_model, prefix, self._given)  # hf_model(...) now runs the head alone
+        self._kvs: list[PagedKv] = []
+        self.attention_calls: list[int] | None = None  # set: each attention call's layer is added
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        if len(self._kvs) != len(kv_caches) or any(
+            kv.cache is not c for kv, c in zip(self._kvs, kv_caches, strict=True)
+        ):
+            self._kvs = [paged_kv(cache) for cache in kv_caches]
+        cfg = self.config
+        _STEP.append(_Step(batch, self._kvs, cfg.num_heads // cfg.num_kv_heads, self.attention_calls))
+        try:
+            out = self.base(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
+        finally:
+            _STEP.pop()
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._given.hidden = hidden[None]
+        try:
+            dummy = torch.zeros(1, hidden.shape[0], dtype=torch.int64, device=hidden.device)
+            logits = self.hf(input_ids=dummy, logits_to_keep=0, use_cache=False).logits
+        finally:
+            self._given.hidden = None
+        return logits[0].float()
+
+
+def register_attention() -> None:
+    """ATTENTION in transformers' AttentionInterface (its masks: none, ours are made inside)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention_forward)

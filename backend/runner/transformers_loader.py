@@ -1,0 +1,140 @@
+"""Loading a checkpoint on the generic path (backend/runner/models/transformers_lm.py): any
+decoder-only `*ForCausalLM` transformers implements, checked at load by a probe that it keeps
+no state outside the attention's KV cache (recurrent or convolution layers, KV shared across
+layers), which our paged cache could not hold."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.runner.forward_batch import Span, build_forward_batch
+from backend.runner.gguf_model import gguf_source
+from backend.runner.models.transformers_lm import ATTENTION, TransformersCausalLM, register_attention, row_linears
+from backend.runner.weights import eos_token_ids
+from backend.types.model_config import ModelConfig
+
+_PROBE = (3, 1)  # tokens of the probe's two steps (a prefill, then a decode)
+
+
+class NotServable(ValueError):
+    """A checkpoint the generic path cannot serve, and why."""
+
+
+def transformers_class(raw: dict[str, Any]) -> str:
+    """The `*ForCausalLM` class transformers builds for a config.json (`raw`); NotServable where
+    it has none, or the model is an encoder or an encoder-decoder."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    model_type = raw.get("model_type")
+    if model_type not in CAUSAL:
+        raise NotServable(f"model_type {model_type!r} has no causal language model in transformers")
+    if raw.get("is_encoder_decoder") or model_type in MASKED:
+        raise NotServable(f"model_type {model_type!r} is not a decoder-only model")
+    return CAUSAL[model_type]
+
+
+def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: str) -> ModelConfig:
+    """Our ModelConfig of a transformers config: what the KV pool and the engine size by."""
+    text = hf_config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None) or ()
+    eos = eos_token_ids(folder, raw)
+    if not eos and isinstance(text.eos_token_id, int):
+        eos = (text.eos_token_id,)
+    return ModelConfig(
+        architecture=class_name,
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", 0) or 0,
+        num_layers=text.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        sliding_windows=_windows(layer_types, window),
+        eos_token_ids=eos,
+        bos_token_id=getattr(text, "bos_token_id", None),
+    )
+
+
+def _windows(layer_types, window: int | None) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: a global layer); () where no layer has one."""
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types) if window else ()
+
+
+def load_transformers_model(
+    folder: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device
+) -> TransformersCausalLM:
+    """The folder's checkpoint on the generic path; NotServable where it cannot run there."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    class_name = transformers_class(raw)
+    register_attention()
+    hf_config = AutoConfig.from_pretrained(folder)
+    source = gguf_source(folder)  # a GGUF file: transformers dequantizes its tensors
+    where = {"pretrained_model_name_or_path": folder} if source is None else {
+        "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
+    )
+    hf_model = hf_model.to(device).eval()
+    row_linears(hf_model)
+    model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
+    probe(model, dtype, device)
+    print(f"model: {class_name} on the transformers path", file=sys.stderr)
+    return model
+
+
+@torch.inference_mode()
+def probe(model: TransformersCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """NotServable unless every layer attends through our cache once a forward and the model
+    keeps no other state: a prompt's last logits in one forward must equal those of a prefill
+    then a decode step (a recurrent layer, run without its state, would give others)."""
+    cfg = model.config
+    tokens = list(range(1, sum(_PROBE) + 1))
+    try:
+        one_go = _probe_logits(model, [tokens], dtype, device)[-1]
+        split = _probe_logits(model, [tokens[: _PROBE[0]], tokens[_PROBE[0] :]], dtype, device)[-1]
+    except NotServable:
+        raise
+    except Exception as e:  # the modeling code does what our forward does not give it
+        raise NotServable(f"{cfg.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
+    if not torch.allclose(one_go, split, rtol=1e-3, atol=1e-3 * float(one_go.abs().max())):
+        raise NotServable(
+            f"{cfg.architecture} keeps state outside the attention's KV cache (recurrent, convolution or "
+            "shared-KV layers), which the engine's paged cache does not hold"
+        )
+
+
+def _probe_logits(model: TransformersCausalLM, steps: list[list[int]], dtype, device) -> torch.Tensor:
+    """Run `steps` (token lists) as successive steps of one sequence over a scratch cache; the
+    last step's logits. NotServable unless each step called attention once in every layer."""
+    cfg, block_size = model.config, 16
+    caches = [torch.zeros(2, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+              for _ in range(cfg.num_layers)]  # fmt: skip
+    start, logits = 0, None
+    for step in steps:
+        model.attention_calls = calls = []
+        try:
+            batch = build_forward_batch([Span(step, start, [0, 1], 1)], block_size, device)
+            logits = model.compute_logits(model(batch, caches)[batch.logits_indices])
+        finally:
+            model.attention_calls = None
+        if sorted(calls) != list(range(cfg.num_layers)):
+            raise NotServable(f"{cfg.architecture}: its layers do not each attend once a forward through "
+                              f"the attention interface (attention-free or shared-KV layers)")  # fmt: skip
+        start += len(step)
+    return logits

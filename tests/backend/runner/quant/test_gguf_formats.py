@@ -1,0 +1,157 @@
+"""Every GGUF block type we serve read as our QuantizedWeight: `formats.dequantize` of it is the
+`gguf` package's dequantization of the same blocks (llama.cpp's), bit for bit in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+from backend.runner.quant.formats import QuantizedWeight, dequantize
+from backend.runner.quant.gguf_blocks import read_tensor_table
+from backend.runner.quant.gguf_formats import BLOCK_TYPES, common_format, to_weight
+
+ROWS, COLS = 6, 768  # several rows of 3 super-blocks (24 blocks of 32)
+# (kind, group, with mins) of each quantized type
+FORMATS = {
+    "Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True), "Q4_K": ("int4", 32, True),
+    "Q8_0": ("int8", 32, False), "Q5_0": ("int8", 32, False), "Q5_1": ("int8", 32, True),
+    "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False), "Q3_K": ("int8", 16, False),
+    "Q2_K": ("int8", 16, True),
+}  # fmt: skip
+# where the float16 d (and dmin) of the blocks the package cannot make are
+HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random weights as `type_name`: the package's quantization where it has one, else random
+    bytes with sane float16 scales (uint8 [rows, bytes per row]; F32/F16: a float array)."""
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if type_name == "F32":
+        return weights
+    if type_name not in HALVES:
+        return quants.quantize(weights, GGMLQuantizationType[type_name])
+    block = BLOCK_TYPES[type_name]
+    raw = rng.integers(0, 256, (rows, cols // block.weights, block.bytes), dtype=np.uint8)
+    for at in HALVES[type_name]:
+        half = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[..., at : at + 2] = half[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    writer = GGUFWriter(path, "llama")
+    writer.add_string("general.name", "test")
+    for name, (type_name, data) in tensors.items():
+        raw_dtype = None if data.dtype != np.uint8 else GGMLQuantizationType[type_name]
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def as_float(weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    return dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
+
+
+@pytest.fixture(scope="module")
+def every_type(tmp_path_factory):
+    """A GGUF file with a [ROWS, COLS] tensor of every served type, a 3-D one, and an IQ4_NL one."""
+    path = tmp_path_factory.mktemp("gguf") / "every.gguf"
+    tensors = {f"{name}.weight": (name, blocks(name, ROWS, COLS, seed)) for seed, name in enumerate(BLOCK_TYPES)}
+    tensors["experts.weight"] = ("Q4_K", blocks("Q4_K", 2 * 3, 512).reshape(2, 3, -1))
+    iq4 = np.random.default_rng(9).integers(0, 256, (ROWS, COLS // 32 * 18), dtype=np.uint8)
+    tensors["iq.weight"] = ("IQ4_NL", iq4)
+    write_gguf(path, tensors)
+    return path
+
+
+def test_every_type_is_the_packages_dequantization_bit_for_bit(every_type):
+    theirs = {t.name: t for t in GGUFReader(every_type).tensors}
+    ours = {t.name: t for t in read_tensor_table(every_type)}
+    assert set(ours) == set(theirs)  # every tensor listed, the unserved one too
+    for name in BLOCK_TYPES:
+        tensor, reference = ours[f"{name}.weight"], theirs[f"{name}.weight"]
+        assert (tensor.type_name, tensor.rows, tensor.cols, tensor.shape) == (name, ROWS, COLS, (ROWS, COLS))
+        raw = np.asarray(reference.data)
+        assert np.array_equal(tensor.data, raw.view(np.uint8).reshape(tensor.data.shape)), name  # byte sizes
+        weight = tensor.weight()
+        want = torch.from_numpy(quants.dequantize(raw, reference.tensor_type).reshape(ROWS, COLS).copy())
+        got = as_float(weight)
+        # equal values: the very bits, but for a zero's sign (llama.cpp's d * 0 is -0.0 for a negative d)
+        assert got.dtype == torch.float32 and torch.equal(got, want), name
+        if name in FORMATS:
+            assert (weight.kind, weight.group, weight.mins is not None) == FORMATS[name], name
+            assert weight.q.is_contiguous() and weight.q.dtype == (torch.uint8 if weight.kind == "int4" else torch.int8)
+            assert weight.scales.shape == (ROWS, COLS // weight.group)
+        else:
+            assert not isinstance(weight, QuantizedWeight)
+
+
+def test_a_three_dimensional_tensor_is_its_rows(every_type):
+    tensor = {t.name: t for t in read_tensor_table(every_type)}["experts.weight"]
+    assert (tensor.rows, tensor.cols, tensor.shape) == (6, 512, (2, 3, 512))
+    want = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_K)
+    assert torch.equal(dequantize(tensor.weight()), torch.from_numpy(want.copy()))
+
+
+def test_a_type_we_do_not_serve_is_refused_only_when_asked_for(every_type):
+    table = {t.name: t for t in read_tensor_table(every_type)}  # listing it is fine
+    iq = table["iq.weight"]
+    assert iq.type_name == "IQ4_NL" and (iq.rows, iq.cols) == (ROWS, COLS)
+    with pytest.raises(ValueError, match=r"iq\.weight is stored as IQ4_NL, which is not served"):
+        iq.weight()
+    with pytest.raises(ValueError, match="iq.weight.*IQ4_NL"):
+        _ = iq.data
+    with pytest.raises(ValueError, match="IQ4_NL is not served"):
+        to_weight("IQ4_NL", np.zeros((ROWS, COLS // 32 * 18), np.uint8), ROWS, COLS)
+
+
+def test_a_truncated_file_is_named_truncated(every_type, tmp_path):
+    data = every_type.read_bytes()
+    first_data = min(int(t.data_offset) for t in GGUFReader(every_type).tensors)
+    for size in (0, 10, 30, 60, first_data - 100, first_data - 1, first_data + 100, len(data) - 1000):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(ValueError, match="truncated"):
+            read_tensor_table(cut)
+
+
+def weights(*type_names: str) -> list[QuantizedWeight]:
+    return [to_weight(t, blocks(t, ROWS, COLS, seed), ROWS, COLS) for seed, t in enumerate(type_names)]
+
+
+@pytest.mark.parametrize(
+    "types,want",
+    [
+        (("Q4_K", "Q4_K", "Q6_K"), ("int8", 16, True)),  # a Q4_K_M file's attn_q, attn_k, attn_v
+        (("Q4_0", "Q4_K", "Q4_1"), ("int4", 32, True)),  # int4 all: as they are
+        (("Q8_0", "Q5_0", "Q6_K"), ("int8", 16, False)),  # symmetric all: still no mins
+        (("Q8_0", "Q4_1"), ("int8", 32, True)),  # symmetric + with mins: mins 0
+        (("Q2_K", "Q3_K", "Q5_K", "Q5_1"), ("int8", 16, True)),
+    ],
+)
+def test_common_format_keeps_every_parts_values(types, want):
+    parts = weights(*types)
+    common = common_format(parts)
+    assert common is not None and len(common) == len(parts)
+    assert {(w.kind, w.group, w.mins is not None) for w in common} == {want}
+    for part, same in zip(parts, common, strict=True):
+        assert torch.equal(dequantize(same), dequantize(part))
+    fused = QuantizedWeight(
+        want[0],
+        torch.cat([w.q for w in common]),
+        torch.cat([w.scales for w in common]),
+        torch.cat([w.mins for w in common]) if want[2] else None,
+        want[1],
+    )
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in parts]))
+
+
+def test_common_format_of_a_float_part_is_none():
+    parts = weights("Q4_K", "Q6_K") + [to_weight("F16", blocks("F16", ROWS, COLS).view(np.uint8), ROWS, COLS)]
+    assert isinstance(parts[-1], torch.Tensor)
+    assert common_format(parts) is None

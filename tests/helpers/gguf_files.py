@@ -1,0 +1,117 @@
+"""Small GGUF files written with the `gguf` package, for the GGUF tests: a Llama- or Qwen2-family
+model whose layers each store their linears in a chosen block format, with the default model's
+tokenizer and chat template in the metadata (copied from its GGUF file).
+
+The `gguf` package quantizes the legacy formats (Q4_0 .. Q8_0) and the floats in numpy, not the
+K-quants: their blocks are random bytes with small float16 scales written over the scale fields
+(a valid block of random weights; the reference, transformers, reads the same file).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+
+from backend.runner.convert import gguf_path
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 49152
+# a K-quant block: (bytes, offsets of its float16 scale fields)
+_K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+             "Q6_K": (210, (208,))}  # fmt: skip
+_SCALE = {"Q2_K": 0.01, "Q3_K": 0.002, "Q4_K": 0.005, "Q5_K": 0.002, "Q6_K": 0.0002}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@lru_cache(maxsize=1)
+def tokenizer_fields() -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """The default model's tokenizer.* metadata: (key, value, type, array item type)."""
+    reader = GGUFReader(gguf_path())
+    fields = []
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            item = field.types[1] if len(field.types) > 1 else None
+            fields.append((key, field.contents(), field.types[0], item))
+    return fields
+
+
+def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """A [rows, cols] weight in `type_name`: the file's bytes (uint8 [rows, row bytes]) or floats."""
+    if type_name in _K_BLOCKS:
+        size, scale_at = _K_BLOCKS[type_name]
+        raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+        for at in scale_at:
+            scales = (rng.uniform(0.5, 1.5, size=(rows, cols // 256)) * _SCALE[type_name]).astype(np.float16)
+            raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+        return raw.reshape(rows, -1)
+    weights = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if type_name == "F32":
+        return weights
+    return quantize(weights, GGMLQuantizationType[type_name])
+
+
+def write_model(
+    path: Path, layer_types: list[dict[str, str] | str], arch: str = "llama", embed: str = "Q8_0",
+    output: str | None = None, tokenizer: bool = True, chat_template: bool = True, seed: int = 0,
+) -> Path:  # fmt: skip
+    """A GGUF model of len(layer_types) layers; each entry a block type for all its linears, or
+    {linear: type}. `output`: an untied lm_head's type (None: tied to the embedding);
+    `tokenizer`, `chat_template`: whether the metadata holds them."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(len(layer_types))
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if tokenizer:
+        for key, value, kind, item in tokenizer_fields():
+            if chat_template or key != "tokenizer.chat_template":
+                writer.add_key_value(key, value, kind, sub_type=item)
+    _tensor(writer, "token_embd.weight", embed, VOCAB, HIDDEN, rng)
+    _tensor(writer, "output_norm.weight", "F32", 1, HIDDEN, rng, norm=True)
+    if output is not None:
+        _tensor(writer, "output.weight", output, VOCAB, HIDDEN, rng)
+    for i, types in enumerate(layer_types):
+        types = types if isinstance(types, dict) else dict.fromkeys(LINEARS, types)
+        for norm in ("attn_norm", "ffn_norm"):
+            _tensor(writer, f"blk.{i}.{norm}.weight", "F32", 1, HIDDEN, rng, norm=True)
+        shapes = _shapes()
+        for name in LINEARS:
+            rows, cols = shapes[name]
+            _tensor(writer, f"blk.{i}.{name}.weight", types[name], rows, cols, rng)
+        if arch == "qwen2":
+            for name in ("attn_q", "attn_k", "attn_v"):
+                _tensor(writer, f"blk.{i}.{name}.bias", "F32", 1, shapes[name][0], rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _shapes() -> dict[str, tuple[int, int]]:
+    head = HIDDEN // HEADS
+    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head, HIDDEN), "attn_v": (KV_HEADS * head, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+            "ffn_down": (HIDDEN, FFN)}  # fmt: skip
+
+
+def _tensor(writer: GGUFWriter, name: str, type_name: str, rows: int, cols: int, rng, norm: bool = False) -> None:
+    if norm:
+        data = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+        writer.add_tensor(name, data)
+        return
+    data = blocks(type_name, rows, cols, rng)
+    if rows == 1:
+        data = data.reshape(-1)
+    if type_name == "F32":
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])
