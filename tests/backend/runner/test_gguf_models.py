@@ -24,8 +24,9 @@ from tests.helpers.gguf_files import write_model
 
 PROMPT = [504, 3458, 282, 260, 1345, 7055, 30, 378, 314, 1564, 1148, 47, 216, 1085, 5345, 28]
 NEW_TOKENS = 12
+# a Q4_K_M file's layer
 MIXED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
-         "ffn_up": "Q4_K", "ffn_down": "Q6_K"}  # fmt: skip  (a Q4_K_M file's layer)
+         "ffn_up": "Q4_K", "ffn_down": "Q6_K"}  # fmt: skip
 FILES = {
     "legacy": dict(layer_types=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16"], embed="Q8_0"),
     "k_quants": dict(layer_types=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", MIXED], embed="Q4_K", output="Q6_K"),
