@@ -5,13 +5,14 @@
 
 struct TileOperands {
   int64_t M, N, K, blocks;
-  bool int4, mins;     // int4 (else int8) weights; params hold mins after the scales
+  bool int4, mins;     // int4 or int5 (else int8) weights; params hold mins after the scales
+  bool int5;           // int5: int4's nibbles and a plane of high bits (formats.Tiles)
   bool halves;         // int8 group 16: params per half block (formats.Tiles)
   const float* bias;   // [N] or null
   int64_t chunk;       // tiles a thread takes per round of passes: ~256 KB of weights, its L2
 };
 
-// x: contiguous float32 [M, K]; data: uint8 [N / 4, K / 32, 4, 16] (int4) or int8 [.., 32];
+// x: contiguous float32 [M, K]; data: uint8 [N / 4, K / 32, 4, 16] (int4), [.., 20] (int5) or int8 [.., 32];
 // params: float32 [N / 4, K / 32, 8] (4 scales, 4 mins) or [.., 4] (int8 without mins), with a
 // dimension of 2 before the last for int8 group 16 ([.., K / 32, 2, 8 or 4]: each half's);
 // bias: [N], or undefined / empty for none.

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "tile_operands.h"
@@ -136,6 +137,40 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
   }
 }
 
+// int5: a block's weights 0..15 and 16..31 of tile row t through a 32-entry table of
+// scale * level + min (two vectors, one permutex2var a 16 weights: index bit 4 picks the
+// second), the level's high bit from the row's 4 bytes of qh after its 16 nibble bytes.
+inline void decode_int5(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
+  const __m512 scale = _mm512_set1_ps(sm[t]), min = _mm512_set1_ps(sm[kTile + t]);
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 table_lo = _mm512_add_ps(_mm512_mul_ps(levels, scale), min);
+  const __m512 table_hi = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(levels, _mm512_set1_ps(16)), scale), min);
+  const uint8_t* row = block + t * 20;
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  uint32_t high;
+  std::memcpy(&high, row + 16, 4);  // bit j: weight j's high bit
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i nib_lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), nib_hi = _mm512_srli_epi32(bytes, 4);
+  const __m512i idx_lo = _mm512_mask_or_epi32(nib_lo, static_cast<__mmask16>(high), nib_lo, sixteen);
+  const __m512i idx_hi = _mm512_mask_or_epi32(nib_hi, static_cast<__mmask16>(high >> 16), nib_hi, sixteen);
+  lo = _mm512_permutex2var_ps(table_lo, idx_lo, table_hi);
+  hi = _mm512_permutex2var_ps(table_lo, idx_hi, table_hi);
+}
+
+// int5's tiles: int4's params, 20 bytes a row's block (formats.tile_weight).
+struct TileDecoder5 {
+  static constexpr int64_t kBlockBytes = kTile * 20, kParams = 2 * kTile;
+  const uint8_t* data;
+  const float* params;
+
+  TileDecoder5(const Tiles& w, int64_t tile)
+      : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * kParams) {}
+
+  void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
+    decode_int5(data + b * kBlockBytes, params + b * kParams, t, lo, hi);
+  }
+};
+
 // A tile's blocks, decoded one (block, tile row) at a time: dot's weights for tile_dot, and
 // decode_tile's source. kMins: a block's params are its 4 scales then its 4 mins, else its 4
 // scales alone (int8 without mins: GGUF's Q8_0, QUANT's symmetric int8); kHalves: those of
@@ -246,9 +281,10 @@ void run(const Tiles& w, const float* xp, float* yp, int64_t M, int64_t chunk) {
 TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                  const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const bool int4 = data.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(data.dim() == 4 && data.size(2) == kTile && data.size(3) == (int4 ? 16 : 32) && data.is_contiguous() &&
-                  (int4 || data.scalar_type() == torch::kInt8), "data: uint8 [N / 4, K / 32, 4, 16] or int8 [.., 32]");
+  const bool int4 = data.scalar_type() == torch::kUInt8, int5 = int4 && data.dim() == 4 && data.size(3) == 20;
+  TORCH_CHECK(data.dim() == 4 && data.size(2) == kTile && data.size(3) == (int5 ? 20 : int4 ? 16 : 32) &&
+                  data.is_contiguous() && (int4 || data.scalar_type() == torch::kInt8),
+              "data: uint8 [N / 4, K / 32, 4, 16] (int4) or [.., 20] (int5), or int8 [.., 32]");
   const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kTile;
   TORCH_CHECK(blocks * 32 == x.size(1), "data does not match K");
   const bool halves = params.dim() == 4;  // int8 group 16: [.., 2, P]
@@ -262,7 +298,7 @@ TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& da
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
   const int64_t block_bytes = kTile * data.size(3) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * block_bytes));
-  return {x.size(0), N, x.size(1), blocks, int4, mins, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+  return {x.size(0), N, x.size(1), blocks, int4, mins, int5, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
 }
 
 namespace {
@@ -272,7 +308,9 @@ void tiled_into(const TileOperands& o, const torch::Tensor& x, const torch::Tens
   const Tiles w{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, o.N, o.K, o.blocks,
                 accumulate};
   const float* xp = x.data_ptr<float>();
-  if (o.int4) {
+  if (o.int5) {
+    run<TileDecoder5>(w, xp, yp, o.M, o.chunk);
+  } else if (o.int4) {
     run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk);
   } else if (o.halves) {
     o.mins ? run<TileDecoder<false, true, true>>(w, xp, yp, o.M, o.chunk)

@@ -15,9 +15,12 @@
 // same for every row count (one row per lane, blocks in order), so a row's numbers do not
 // depend on its batch.
 //
-// The weights are vpdpbusd's unsigned side, x its signed one: int4 levels 0..15 as they are,
+// The weights are vpdpbusd's unsigned side, x its signed one: int4 levels 0..15 (int5's 0..31) as they are,
 // int8 weights stored as qw + 128, and 128 * sum(qx) of x's block (exact in float) taken off
 // the products before the scale.
+//
+// int5 (GGUF's Q5_0 / Q5_1 / Q5_K): int4's 4 vectors a block and a 5th of high bits, ORed into
+// the nibbles as a block is loaded (add_high_bits); the rest is int4's, mins included.
 //
 // int8 group 16 (GGUF's K-quants: a scale, and a min, per half block): words 0..3 and 4..7 of
 // a block are summed apart, two chains of 4 vpdpbusd, each half scaled by its own scale; the
@@ -85,7 +88,7 @@ VNNI Activations quantize(const float* x, int64_t M, int64_t K, bool halves) {
 }
 
 struct Problem {
-  const uint8_t* data;  // [N / 16, blocks, 4, 64] (int4) or [.., 8, 64] (int8 + 128): formats.tile_weight
+  const uint8_t* data;  // [N / 16, blocks, 4, 64] (int4), [.., 5, 64] (int5) or [.., 8, 64] (int8 + 128): formats.tile_weight
   const float* params;  // [N / 16, blocks, P]: 16 scales, then 16 mins if any; group 16: [.., 2, P]
   const float* bias;    // [N] or null
   const Activations* x;
@@ -94,16 +97,36 @@ struct Problem {
   bool accumulate;      // y += the product (tiled_matmul_a8_add), else y = it
 };
 
-// Block b's 8 words of weights, word j (4 inputs 4j .. 4j + 3 of each of the 16 rows) in w[j].
-template <bool kInt4>
+// int5: the high bits into the nibbles of w (load_block): byte 4n + k of the plane holds in bit
+// v the high bit of input 4v + k of row n (w[v]'s byte) and in bit 4 + v that of 16 + 4v + k
+// (w[v + 4]'s). Shifting it left by 4 - v (right by v) brings bit v (4 + v) to bit 4 of the
+// same byte; the 16-bit shifts carry bits across bytes, but only into bits the mask 0x10 drops
+// (a bit from the other byte lands at 0..3 or past 4 + 7). One ternary-logic op ORs it in.
+VNNI inline void add_high_bits(__m512i plane, __m512i (&w)[8]) {
+  const __m512i bit4 = _mm512_set1_epi8(0x10);
+  constexpr int kOrMasked = 0xF8;  // a | (b & c): a 0xF0, b 0xCC, c 0xAA
+  w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(plane, 4), bit4, kOrMasked);
+  w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(plane, 3), bit4, kOrMasked);
+  w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(plane, 2), bit4, kOrMasked);
+  w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(plane, 1), bit4, kOrMasked);
+  w[4] = _mm512_ternarylogic_epi32(w[4], plane, bit4, kOrMasked);
+  w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(plane, 1), bit4, kOrMasked);
+  w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(plane, 2), bit4, kOrMasked);
+  w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(plane, 3), bit4, kOrMasked);
+}
+
+// Block b's 8 words of weights, word j (4 inputs 4j .. 4j + 3 of each of the 16 rows) in w[j];
+// kBits 4, 5 (int4's words and a 5th vector of high bits) or 8.
+template <int kBits>
 VNNI inline void load_block(const uint8_t* block, __m512i (&w)[8]) {
-  if constexpr (kInt4) {  // vector v: inputs 4v.. in the low nibbles, 16 + 4v.. in the high ones
+  if constexpr (kBits != 8) {  // vector v: inputs 4v.. in the low nibbles, 16 + 4v.. in the high ones
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int v = 0; v < 4; ++v) {
       const __m512i packed = _mm512_loadu_si512(block + v * 64);
       w[v] = _mm512_and_si512(packed, nibble);
       w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
+    if constexpr (kBits == 5) add_high_bits(_mm512_loadu_si512(block + 4 * 64), w);
   } else {
     for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(block + v * 64);
   }
@@ -111,7 +134,6 @@ VNNI inline void load_block(const uint8_t* block, __m512i (&w)[8]) {
 
 // sum over the block's 32 inputs of qw * qx for the 16 rows, exact (int8: of (qw + 128) * qx);
 // two chains of 4 for the latency, their integer sum the same in any order.
-template <bool kInt4>
 VNNI inline __m512i block_products(const __m512i (&w)[8], const uint8_t* xq) {
   const auto* words = reinterpret_cast<const int32_t*>(xq);  // a broadcast load each
   __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -163,10 +185,10 @@ VNNI inline __m512 add_halves(const __m512i (&w)[8], const uint8_t* xq, float xd
   return acc;
 }
 
-// Outputs tile * 16 .. + 15 of rows r0 .. r0 + R - 1; kHalves: int8 group 16.
-template <bool kInt4, bool kMins, bool kHalves, int R>
+// Outputs tile * 16 .. + 15 of rows r0 .. r0 + R - 1; kBits 4, 5 or 8; kHalves: int8 group 16.
+template <int kBits, bool kMins, bool kHalves, int R>
 VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
-  constexpr int64_t kBlockBytes = kRows * (kInt4 ? 16 : 32);
+  constexpr int64_t kBlockBytes = kRows * (kBits == 8 ? 32 : kBits == 5 ? 20 : 16);
   const uint8_t* data = p.data + tile * p.blocks * kBlockBytes;
   const float* params = p.params + tile * p.blocks * p.params_per_block;
   const int64_t pass = r0 / kPassRows * p.blocks * kPassRows;  // the pass's first slot
@@ -177,7 +199,7 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i w[8];
-    load_block<kInt4>(data + b * kBlockBytes, w);
+    load_block<kBits>(data + b * kBlockBytes, w);
     const float* sm = params + b * p.params_per_block;
     if constexpr (kHalves) {
       const HalfParams hp = half_params<kMins>(sm);
@@ -190,8 +212,8 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
       const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int64_t slot = b * kPassRows + r;
-        __m512 dot = _mm512_cvtepi32_ps(block_products<kInt4>(w, xq + slot * kBlock));
-        if constexpr (!kInt4) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
+        __m512 dot = _mm512_cvtepi32_ps(block_products(w, xq + slot * kBlock));
+        if constexpr (kBits == 8) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, _mm512_set1_ps(xd[slot])), acc[r]);
         if constexpr (kMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
       }
@@ -206,7 +228,7 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   }
 }
 
-template <bool kInt4, bool kMins, bool kHalves = false>
+template <int kBits, bool kMins, bool kHalves = false>
 VNNI void run(const Problem& p, int64_t M) {
   at::parallel_for(0, p.N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t from = begin; from < end; from += p.chunk) {
@@ -214,14 +236,14 @@ VNNI void run(const Problem& p, int64_t M) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) {
         for (int64_t tile = from; tile < to; ++tile) {
           switch (std::min<int64_t>(kPassRows, M - r0)) {
-            case 1: tile_dot<kInt4, kMins, kHalves, 1>(p, tile, r0); break;
-            case 2: tile_dot<kInt4, kMins, kHalves, 2>(p, tile, r0); break;
-            case 3: tile_dot<kInt4, kMins, kHalves, 3>(p, tile, r0); break;
-            case 4: tile_dot<kInt4, kMins, kHalves, 4>(p, tile, r0); break;
-            case 5: tile_dot<kInt4, kMins, kHalves, 5>(p, tile, r0); break;
-            case 6: tile_dot<kInt4, kMins, kHalves, 6>(p, tile, r0); break;
-            case 7: tile_dot<kInt4, kMins, kHalves, 7>(p, tile, r0); break;
-            default: tile_dot<kInt4, kMins, kHalves, 8>(p, tile, r0); break;
+            case 1: tile_dot<kBits, kMins, kHalves, 1>(p, tile, r0); break;
+            case 2: tile_dot<kBits, kMins, kHalves, 2>(p, tile, r0); break;
+            case 3: tile_dot<kBits, kMins, kHalves, 3>(p, tile, r0); break;
+            case 4: tile_dot<kBits, kMins, kHalves, 4>(p, tile, r0); break;
+            case 5: tile_dot<kBits, kMins, kHalves, 5>(p, tile, r0); break;
+            case 6: tile_dot<kBits, kMins, kHalves, 6>(p, tile, r0); break;
+            case 7: tile_dot<kBits, kMins, kHalves, 7>(p, tile, r0); break;
+            default: tile_dot<kBits, kMins, kHalves, 8>(p, tile, r0); break;
           }
         }
       }
@@ -235,9 +257,9 @@ VNNI void run(const Problem& p, int64_t M) {
 TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const bool int4 = data.dim() == 4 && data.size(2) == 4;
+  const bool int5 = data.dim() == 4 && data.size(2) == 5, int4 = int5 || (data.dim() == 4 && data.size(2) == 4);
   TORCH_CHECK(data.dim() == 4 && (int4 || data.size(2) == 8) && data.size(3) == 64 && data.is_contiguous() &&
-                  data.scalar_type() == torch::kUInt8, "data: uint8 [N / 16, K / 32, 4 (int4) or 8 (int8), 64]");
+                  data.scalar_type() == torch::kUInt8, "data: uint8 [N / 16, K / 32, 4 (int4), 5 (int5) or 8 (int8), 64]");
   const int64_t tiles = data.size(0), blocks = data.size(1), N = tiles * kRows;
   TORCH_CHECK(blocks * kBlock == x.size(1), "data does not match K");
   const bool halves = params.dim() == 4;  // int8 group 16
@@ -249,9 +271,9 @@ TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data
               "params: float32 [N / 16, K / 32, 32], or [.., 16] for int8 without mins; group 16: [.., 2, 32 or 16]");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
-  const int64_t block_bytes = kRows * (int4 ? 16 : 32) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
+  const int64_t block_bytes = kRows * (int5 ? 20 : int4 ? 16 : 32) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (blocks * block_bytes));
-  return {x.size(0), N, x.size(1), blocks, int4, mins, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
+  return {x.size(0), N, x.size(1), blocks, int4, mins, int5, halves, has_bias ? bias.data_ptr<float>() : nullptr, chunk};
 }
 
 void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data,
@@ -260,14 +282,16 @@ void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::T
   const int64_t params_per_block = params.size(-1) * (o.halves ? 2 : 1);
   const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
                   o.N, o.K, o.blocks, params_per_block, o.chunk, accumulate};
-  if (o.int4) {
-    run<true, true>(p, o.M);
+  if (o.int5) {
+    run<5, true>(p, o.M);
+  } else if (o.int4) {
+    run<4, true>(p, o.M);
   } else if (o.halves) {
-    o.mins ? run<false, true, true>(p, o.M) : run<false, false, true>(p, o.M);
+    o.mins ? run<8, true, true>(p, o.M) : run<8, false, true>(p, o.M);
   } else if (o.mins) {
-    run<false, true>(p, o.M);
+    run<8, true>(p, o.M);
   } else {
-    run<false, false>(p, o.M);
+    run<8, false>(p, o.M);
   }
 }
 

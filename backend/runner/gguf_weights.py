@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from backend.runner.quant.formats import QuantizedWeight, dequantize
+from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize, select_rows
 from backend.runner.quant.gguf_blocks import GgufTensor
 from backend.runner.quant.gguf_formats import common_format
 from backend.types.model_config import ModelConfig
@@ -108,8 +108,7 @@ def _oriented(tensor: GgufTensor, cfg: ModelConfig, permuted: bool) -> Quantized
     order = _row_order(tensor.rows, heads)
     if isinstance(weight, torch.Tensor):
         return weight[order]
-    mins = None if weight.mins is None else weight.mins[order]
-    return QuantizedWeight(weight.kind, weight.q[order], weight.scales[order], mins, weight.group)
+    return select_rows(weight, order)
 
 
 def _row_order(rows: int, heads: int) -> torch.Tensor:
@@ -118,9 +117,4 @@ def _row_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                           first.group)  # fmt: skip
+    return concat_rows(parts)

@@ -7,6 +7,10 @@ A weight of a group is `scale * q + min` (symmetric formats have no min: `scale 
 - int4: q in [0, 15], two per byte, in blocks of 32 weights: byte j of a block holds weight j
   in its low nibble and weight j + 16 in its high one (GGUF's Q4_1 layout, which is served as
   is; Q4_0 is the symmetric case, min = -8 * scale).
+- int5 (GGUF's Q5_0, Q5_1, Q5_K only; not a QUANT= kind): q in [0, 31], its 4 low bits as int4's
+  nibbles in `q` and its high bits in `qh`, uint8 [out, in / 8]: 4 bytes a block of 32, bit j
+  of them (byte j / 8, bit j % 8) weight j's (GGUF's Q5_0 qh, read as a little-endian uint32);
+  always with mins (Q5_0: min = -16 * scale). 5 bits a weight where int8 took 8.
 
 A group is a multiple of 32 (BLOCK), or for int8 16 (HALF): GGUF's K-quants (Q6_K, Q3_K,
 Q2_K) have a scale (and a min) per 16 weights, decoded exactly into int8 g16. QUANT= itself
@@ -43,6 +47,10 @@ class Tiles:
       n is its inputs 4j .. 4j + 3 at bytes 4n .. 4n + 3 (int4: inputs 4v.. in the low nibbles
       and 16 + 4v.. in the high ones of vector v), so one vpdpbusd takes 4 inputs of 16 rows.
 
+    int5: float32 activations: a row's block is its 16 nibble bytes then its 4 bytes of qh (20
+    bytes); int8 activations: int4's 4 vectors and a 5th of high bits (`_high_bit_plane`). The
+    data's shape tells the kernels int5 (last dimension 20, or 5 vectors); params are int4's.
+
     Group 16 (int8 only): the data is group 32's; params get a dimension for the block's two
     halves (inputs 0..15, 16..31), [.., blocks, 2, P], half h's P values as a block's are in
     group 32's layout. Its 4 dimensions are what tells the kernels (and decode_layer, which
@@ -50,7 +58,8 @@ class Tiles:
     """
 
     data: torch.Tensor  # float32 activations: [out / TILE, in / 32, TILE, bytes], each row's bytes
-    # of the block as in q; int8: uint8 [out / TILE_A8, in / 32, 4 (int4) or 8 (int8: q + 128), 64]
+    # of the block as in q (int5: then its 4 qh bytes, 20 in all); int8: uint8 [out / TILE_A8,
+    # in / 32, 4 (int4), 5 (int5: int4's and the high-bit plane) or 8 (int8: q + 128), 64]
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
     # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each);
     # group 16: [out / TILE, in / 32, 2, 2 * TILE or TILE], half 0's params then half 1's
@@ -62,11 +71,12 @@ class Tiles:
 class QuantizedWeight:
     """One linear layer's weights, [out_features, in_features] as the kernels read them."""
 
-    kind: str  # "int8" | "int4"
-    q: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2]
+    kind: str  # "int8" | "int4" | "int5"
+    q: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2] (int5: the low 4 bits)
     scales: torch.Tensor  # float32 [out, in / group]
     mins: torch.Tensor | None  # float32 [out, in / group]; None: symmetric int8 (int4 always has them)
     group: int  # a multiple of BLOCK, or HALF (int8 only: GGUF's K-quant sub-blocks)
+    qh: torch.Tensor | None = None  # int5's high bits, uint8 [out, in / 8] (above); None for the others
     # where the native kernels run: the same weights as Tiles (`tile_weight`), which the
     # GEMV reads instead of q, scales and mins (a copy: the reference and the other paths read those)
     tiles: Tiles | None = None
@@ -86,7 +96,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.q, self.scales) if self.mins is None else (self.q, self.scales, self.mins)
+        tensors = [t for t in (self.q, self.qh, self.scales, self.mins) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -147,13 +157,27 @@ def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles 
     mins = [] if weight.mins is None else [_per_block(weight.mins, weight.group, rows)]
     params = torch.cat([_per_block(weight.scales, weight.group, rows), *mins], dim=-1).contiguous()
     if activations == "int8":
-        words = 4 if weight.kind == "int4" else 8  # 4-byte words of a row's block
-        q = weight.q if weight.kind == "int4" else (weight.q.to(torch.int16) + 128).to(torch.uint8)  # the unsigned side
-        data = q.reshape(tiles, rows, blocks, words, 4).permute(0, 2, 3, 1, 4)
-        return Tiles(data.reshape(tiles, blocks, words, rows * 4).contiguous(), params, activations)
-    block_bytes = BLOCK // 2 if weight.kind == "int4" else BLOCK
-    data = weight.q.reshape(tiles, rows, blocks, block_bytes).transpose(1, 2).contiguous()
-    return Tiles(data, params, activations)
+        words = 8 if weight.kind == "int8" else 4  # 4-byte words of a row's block
+        q = weight.q if weight.kind != "int8" else (weight.q.to(torch.int16) + 128).to(torch.uint8)  # the unsigned side
+        data = q.reshape(tiles, rows, blocks, words, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, words, rows * 4)
+        if weight.kind == "int5":
+            data = torch.cat((data, _high_bit_plane(weight, tiles, rows, blocks)), dim=2)
+        return Tiles(data.contiguous(), params, activations)
+    block_bytes = BLOCK if weight.kind == "int8" else BLOCK // 2
+    data = weight.q.reshape(tiles, rows, blocks, block_bytes)
+    if weight.kind == "int5":  # a row's 16 nibble bytes, then its 4 bytes of high bits
+        data = torch.cat((data, weight.qh.reshape(tiles, rows, blocks, 4)), dim=-1)
+    return Tiles(data.transpose(1, 2).contiguous(), params, activations)
+
+
+def _high_bit_plane(weight: QuantizedWeight, tiles: int, rows: int, blocks: int) -> torch.Tensor:
+    """int5's high bits for the int8-activation tiles: a 5th 64-byte word of a block, byte
+    4n + k (row n) holding in bit v the high bit of input 4v + k and in bit 4 + v that of input
+    16 + 4v + k, so vector v's 5-bit values are a shift and a mask from it (tiles_a8.cpp)."""
+    high = unpack_high_bits(weight.qh).to(torch.int32).reshape(tiles, rows, blocks, 2, 4, 4)  # [.., half, v, k]
+    shifts = (torch.arange(2)[:, None] * 4 + torch.arange(4)[None, :])[..., None]  # bit 4 * half + v
+    plane = (high << shifts).sum((3, 4)).to(torch.uint8)  # [tiles, rows, blocks, k]
+    return plane.permute(0, 2, 1, 3).reshape(tiles, blocks, 1, rows * 4)
 
 
 def _per_block(values: torch.Tensor, group: int, rows: int) -> torch.Tensor:
@@ -174,7 +198,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 [out, in] weights a quantized weight stands for."""
-    q = unpack_int4(weight.q) if weight.kind == "int4" else weight.q
+    q = unpack_int4(weight.q) if weight.kind != "int8" else weight.q
+    if weight.kind == "int5":
+        q = q | (unpack_high_bits(weight.qh) << 4)
     out_features, in_features = q.shape
     grouped = q.float().reshape(out_features, in_features // weight.group, weight.group)
     w = grouped * weight.scales[..., None]
@@ -196,3 +222,32 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     rows, width = q.shape
     return (q.float().reshape(rows, width // BLOCK, BLOCK) * d[..., None]).reshape(rows, width)
+
+
+def unpack_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """int5's qh uint8 [out, in / 8] -> each weight's high bit, uint8 [out, in] (0 or 1)."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    return ((qh[..., None] >> bits) & 1).reshape(qh.shape[0], -1)
+
+
+def pack_high_bits(high: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] of 0 / 1 -> qh [out, in / 8] (bit j % 8 of byte j / 8: weight j's)."""
+    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    return (high.reshape(high.shape[0], -1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def select_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """The weight's rows `order` (e.g. GGUF's q / k rows in Hugging Face's order)."""
+    pick = lambda t: None if t is None else t[order]
+    return QuantizedWeight(weight.kind, weight.q[order], weight.scales[order], pick(weight.mins), weight.group,
+                           pick(weight.qh))  # fmt: skip
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one kind, group and mins' presence, stacked by rows (a fused q|k|v, gate|up)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)
+    return QuantizedWeight(first.kind, cat([p.q for p in parts]), cat([p.scales for p in parts]),
+                           cat([p.mins for p in parts]), first.group, cat([p.qh for p in parts]))  # fmt: skip

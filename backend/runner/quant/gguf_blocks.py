@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.runner.quant.formats import BLOCK, QuantizedWeight
+from backend.runner.quant.formats import BLOCK, QuantizedWeight, concat_rows, select_rows
 from backend.runner.quant.gguf_formats import BLOCK_TYPES, common_format, gguf_block_size, gguf_type_name, to_weight
 
 # Our parameters' GGUF tensors, in row order (fused ones have several).
@@ -197,13 +197,8 @@ def _unpermute(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
     """Rows in llama.cpp's order -> Hugging Face's: GGUF row (h, i, half) is HF row (h, half, i)."""
     rows = weight.q.shape[0]
     order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
-    mins = None if weight.mins is None else weight.mins[order]
-    return QuantizedWeight(weight.kind, weight.q[order], weight.scales[order], mins, weight.group)
+    return select_rows(weight, order)
 
 
 def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    parts = common_format(parts) or parts
-    first = parts[0]
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                           first.group)  # fmt: skip
+    return concat_rows(common_format(parts) or parts)

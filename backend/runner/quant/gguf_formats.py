@@ -6,10 +6,11 @@ of them bit for bit in float32 (all of its products are exact or made in the sam
 
 - F32, F16, BF16: a float32 tensor [rows, cols] (norms, embeddings, unquantized linears);
 - Q4_0, Q4_1: int4 g32 (Q4_0: min = -8 d), their nibbles already in our layout;
-- Q8_0: int8 g32 symmetric; Q5_0: int8 g32 symmetric, q - 16; Q5_1: int8 g32, q 0..31, min m;
+- Q8_0: int8 g32 symmetric; Q5_0: int5 g32, min = -16 d; Q5_1: int5 g32, min m (both: the
+  nibbles and qh as the file has them);
 - Q4_K: int4 g32, scale d * sc, min -dmin * m (a 64-weight chunk's 32 bytes hold weights
   0..31 in their low nibbles and 32..63 in the high ones: repacked into our layout);
-- Q5_K: int8 g32 like Q4_K with 5-bit q; Q2_K: int8 g16, q 0..3, scale d * sc, min -dmin * m;
+- Q5_K: int5 g32 like Q4_K (nibbles repacked; sub-block s's high bits bit s of qh[j]); Q2_K: int8 g16, q 0..3, scale d * sc, min -dmin * m;
 - Q3_K: int8 g16 symmetric, q -4..3, scale d * (sc - 32); Q6_K: int8 g16 symmetric, q - 32,
   scale d * sc.
 
@@ -23,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from backend.runner.quant.formats import BLOCK, QuantizedWeight, unpack_int4
+from backend.runner.quant.formats import BLOCK, QuantizedWeight, unpack_high_bits, unpack_int4
 
 
 class BlockType(NamedTuple):
@@ -106,15 +107,19 @@ def _nibbles(b: np.ndarray) -> np.ndarray:
     return np.stack((b & 0xF, b >> 4), axis=-2)
 
 
-def _weight(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, rows: int, group: int):
-    """QuantizedWeight from q ([rows, ...], row-major in weight order; int4: packed bytes) and
-    per-group scales and mins ([rows, ...] in group order)."""
+def _weight(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, rows: int, group: int,
+            qh: np.ndarray | None = None):
+    """QuantizedWeight from q ([rows, ...], row-major in weight order; int4 / int5: packed bytes),
+    per-group scales and mins ([rows, ...] in group order) and int5's qh bytes."""
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype=np.float32))
-    q = q.reshape(rows, -1)
-    if not (q.flags.writeable and q.flags.c_contiguous):  # a view of the (read-only) mapped file
-        q = np.array(q)
-    qt = torch.from_numpy(q)
-    return QuantizedWeight(kind, qt, to(scales), None if mins is None else to(mins), group)
+    return QuantizedWeight(kind, _owned(q, rows), to(scales), None if mins is None else to(mins), group,
+                           None if qh is None else _owned(qh, rows))  # fmt: skip
+
+
+def _owned(a: np.ndarray, rows: int) -> torch.Tensor:
+    """Bytes [rows, ...] as a tensor [rows, -1], copied where a view of the (read-only) mapped file."""
+    a = a.reshape(rows, -1)
+    return torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else np.array(a))
 
 
 def _pack(q: np.ndarray) -> np.ndarray:
@@ -135,20 +140,13 @@ def _q8_0(b, rows, cols):
     return _weight("int8", b[..., 2:].view(np.int8), _f16(b, 0), None, rows, BLOCK)
 
 
-def _q5(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1's 5-bit q [..., 32]: 4 low bits from the nibbles, bit 4 from bit j of qh (4 bytes)."""
-    high = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32]: bit j is weight j's
-    return _nibbles(qs).reshape(*qs.shape[:-1], 32) | (high << 4)
-
-
-def _q5_0(b, rows, cols):
-    q = _q5(b[..., 6:], b[..., 2:6]).astype(np.int8) - 16
-    return _weight("int8", q, _f16(b, 0), None, rows, BLOCK)
+def _q5_0(b, rows, cols):  # qs and qh (bit j: weight j's high bit) already in int5's layout
+    d = _f16(b, 0)
+    return _weight("int5", b[..., 6:], d, -16 * d, rows, BLOCK, b[..., 2:6])
 
 
 def _q5_1(b, rows, cols):
-    q = _q5(b[..., 8:], b[..., 4:8]).view(np.int8)
-    return _weight("int8", q, _f16(b, 0), _f16(b, 2), rows, BLOCK)
+    return _weight("int5", b[..., 8:], _f16(b, 0), _f16(b, 2), rows, BLOCK, b[..., 4:8])
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -177,8 +175,8 @@ def _q4_k(b, rows, cols):
 
 def _q5_k(b, rows, cols):
     scales, mins = _scales_mins(b, *_k_scales(b[..., 4:16]))
-    q = _k4_nibbles(b[..., 48:]) | (_bits(b[..., 16:48]) << 4)  # sub-block s: bit s of qh[j]
-    return _weight("int8", q.view(np.int8), scales, mins, rows, BLOCK)
+    qh = np.packbits(_bits(b[..., 16:48]), axis=-1, bitorder="little")  # sub-block s: bit s of qh[j]
+    return _weight("int5", _pack(_k4_nibbles(b[..., 48:])), scales, mins, rows, BLOCK, qh)
 
 
 def _q2_k(b, rows, cols):
@@ -212,8 +210,8 @@ _CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": 
 
 def common_format(parts: list[QuantizedWeight | torch.Tensor]) -> list[QuantizedWeight] | None:
     """`parts` (rows of one fused matrix) in one format, so their q, scales and mins concatenate
-    by rows, each dequantizing to exactly what it did: int4 -> int8 (q 0..15, same scales and
-    mins) where any part is int8; the smallest group (each group's scale and min repeated);
+    by rows, each dequantizing to exactly what it did: int4 / int5 -> int8 (q 0..15 / 0..31, same
+    scales and mins) where any part is int8, else int4 -> int5 (high bits 0) where any is int5; the smallest group (each group's scale and min repeated);
     with mins (0 for symmetric int8) where any part has them.
 
     None where that cannot be done: a float part (F32/F16/BF16, a torch.Tensor from `to_weight`)
@@ -221,9 +219,10 @@ def common_format(parts: list[QuantizedWeight | torch.Tensor]) -> list[Quantized
     matrix otherwise (e.g. dequantizes the quantized parts and requantizes the whole)."""
     if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
         return None
-    kind = "int8" if any(p.kind == "int8" for p in parts) else "int4"
+    kinds = {p.kind for p in parts}
+    kind = "int8" if "int8" in kinds else "int5" if "int5" in kinds else "int4"
     group = min(p.group for p in parts)
-    if any(p.group % group for p in parts) or (kind == "int4" and group % BLOCK):
+    if any(p.group % group for p in parts) or (kind != "int8" and group % BLOCK):
         return None
     with_mins = any(p.mins is not None for p in parts)
     out = []
@@ -231,11 +230,23 @@ def common_format(parts: list[QuantizedWeight | torch.Tensor]) -> list[Quantized
         if p.kind == kind and p.group == group and (p.mins is not None) == with_mins:
             out.append(p)
             continue
-        q = unpack_int4(p.q).to(torch.int8) if p.kind != kind else p.q
+        q, qh = _as_kind(p, kind)
         mins = torch.zeros_like(p.scales) if p.mins is None and with_mins else p.mins
         scales, repeat = p.scales, p.group // group
         if repeat > 1:
             scales = scales.repeat_interleave(repeat, 1)
             mins = None if mins is None else mins.repeat_interleave(repeat, 1)
-        out.append(QuantizedWeight(kind, q, scales, mins, group))
+        out.append(QuantizedWeight(kind, q, scales, mins, group, qh))
     return out
+
+
+def _as_kind(p: QuantizedWeight, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """p's q (and qh) as `kind`'s, the same levels: int4 / int5 -> int8, int4 -> int5."""
+    if p.kind == kind:
+        return p.q, p.qh
+    if kind == "int5":  # from int4: every high bit 0
+        return p.q, torch.zeros(p.q.shape[0], p.q.shape[1] // 4, dtype=torch.uint8)
+    q = unpack_int4(p.q)
+    if p.kind == "int5":
+        q = q | (unpack_high_bits(p.qh) << 4)
+    return q.to(torch.int8), None

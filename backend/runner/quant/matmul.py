@@ -25,7 +25,7 @@ from backend.runner.quant.formats import QuantizedWeight, dequantize
 # were measured on the default model's shapes (2 cores): int4's table-lookup GEMV stays ahead
 # to ~48 rows (24 rows: 1.5x), int8's to ~12. QUANT_GEMV_MAX_ROWS overrides both (a weight's
 # `gemv_max_rows`, set at load: apply.quantize_model).
-GEMV_MAX_ROWS = {"int4": 48, "int8": 12}
+GEMV_MAX_ROWS = {"int4": 48, "int5": 48, "int8": 12}
 GEMM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}  # QUANT_GEMM: a weight's `gemm_dtype`
 # QUANT_ACTIVATIONS=int8: tiles meet activations rounded to int8 in blocks of 32 at every row
 # count (tiles_a8.cpp, AVX-512 VNNI), as llama.cpp's Q4_1 / Q8_0 x Q8_1 (a cap on the rows
@@ -72,6 +72,8 @@ def quant_linear(
     gemv = x.shape[0] <= gemv_rows or weight.gemm_dtype == torch.float32
     if weight.tiles is not None and (gemv or weight.gemm_dtype == torch.float32):
         return lib.tiled_matmul(x.contiguous(), weight.tiles.data, weight.tiles.params, b)
+    if weight.kind == "int5":  # the row-layout kernels read int4 / int8 only: int5 without tiles (rows not a
+        return F.linear(x, dequantize(weight), bias)  # multiple of a tile's) is rare, and dequantized here
     mins = EMPTY if weight.mins is None else weight.mins
     if gemv:
         return lib.quant_matmul(x.contiguous(), weight.q, weight.scales, mins, b, weight.group, _bits(weight))

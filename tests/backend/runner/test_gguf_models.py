@@ -33,9 +33,9 @@ FILES = {
     "qwen2": dict(layer_types=["Q8_0", "Q4_K", "BF16"], arch="qwen2", embed="F16", output="Q8_0"),
 }
 # what each layer's fused q|k|v must be served as: (kind, group)
-SERVED = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q5_0": ("int8", 32), "Q5_1": ("int8", 32),
+SERVED = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q5_0": ("int5", 32), "Q5_1": ("int5", 32),
           "Q8_0": ("int8", 32), "Q2_K": ("int8", 16), "Q3_K": ("int8", 16), "Q4_K": ("int4", 32),
-          "Q5_K": ("int8", 32), "Q6_K": ("int8", 16)}  # fmt: skip
+          "Q5_K": ("int5", 32), "Q6_K": ("int8", 16)}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from backend.runner.quant.formats import QuantizedWeight, dequantize
+from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize
 from backend.runner.quant.gguf_blocks import read_tensor_table
 from backend.runner.quant.gguf_formats import BLOCK_TYPES, common_format, to_weight
 
@@ -16,8 +16,8 @@ ROWS, COLS = 6, 768  # several rows of 3 super-blocks (24 blocks of 32)
 # (kind, group, with mins) of each quantized type
 FORMATS = {
     "Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True), "Q4_K": ("int4", 32, True),
-    "Q8_0": ("int8", 32, False), "Q5_0": ("int8", 32, False), "Q5_1": ("int8", 32, True),
-    "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False), "Q3_K": ("int8", 16, False),
+    "Q8_0": ("int8", 32, False), "Q5_0": ("int5", 32, True), "Q5_1": ("int5", 32, True),
+    "Q5_K": ("int5", 32, True), "Q6_K": ("int8", 16, False), "Q3_K": ("int8", 16, False),
     "Q2_K": ("int8", 16, True),
 }  # fmt: skip
 # where the float16 d (and dmin) of the blocks the package cannot make are
@@ -85,7 +85,10 @@ def test_every_type_is_the_packages_dequantization_bit_for_bit(every_type):
         assert got.dtype == torch.float32 and torch.equal(got, want), name
         if name in FORMATS:
             assert (weight.kind, weight.group, weight.mins is not None) == FORMATS[name], name
-            assert weight.q.is_contiguous() and weight.q.dtype == (torch.uint8 if weight.kind == "int4" else torch.int8)
+            assert weight.q.is_contiguous() and weight.q.dtype == (torch.int8 if weight.kind == "int8" else torch.uint8)
+            if weight.kind == "int5":  # 5 bits a weight: the nibbles and a plane of high bits
+                assert weight.qh.dtype == torch.uint8 and weight.qh.shape == (ROWS, COLS // 8)
+                assert weight.nbytes == ROWS * COLS * 5 // 8 + 2 * 4 * ROWS * COLS // 32
             assert weight.scales.shape == (ROWS, COLS // weight.group)
         else:
             assert not isinstance(weight, QuantizedWeight)
@@ -129,7 +132,11 @@ def weights(*type_names: str) -> list[QuantizedWeight]:
     [
         (("Q4_K", "Q4_K", "Q6_K"), ("int8", 16, True)),  # a Q4_K_M file's attn_q, attn_k, attn_v
         (("Q4_0", "Q4_K", "Q4_1"), ("int4", 32, True)),  # int4 all: as they are
-        (("Q8_0", "Q5_0", "Q6_K"), ("int8", 16, False)),  # symmetric all: still no mins
+        (("Q8_0", "Q3_K", "Q6_K"), ("int8", 16, False)),  # symmetric all: still no mins
+        (("Q8_0", "Q5_0", "Q6_K"), ("int8", 16, True)),  # Q5_0 is int5 with mins: mins 0 for the rest
+        (("Q5_0", "Q4_K", "Q5_K"), ("int5", 32, True)),  # int5 meets int4: high bits 0
+        (("Q4_0", "Q5_1"), ("int5", 32, True)),
+        (("Q5_1", "Q8_0"), ("int8", 32, True)),  # int5 meets int8: q 0..31
         (("Q8_0", "Q4_1"), ("int8", 32, True)),  # symmetric + with mins: mins 0
         (("Q2_K", "Q3_K", "Q5_K", "Q5_1"), ("int8", 16, True)),
     ],
@@ -141,13 +148,7 @@ def test_common_format_keeps_every_parts_values(types, want):
     assert {(w.kind, w.group, w.mins is not None) for w in common} == {want}
     for part, same in zip(parts, common, strict=True):
         assert torch.equal(dequantize(same), dequantize(part))
-    fused = QuantizedWeight(
-        want[0],
-        torch.cat([w.q for w in common]),
-        torch.cat([w.scales for w in common]),
-        torch.cat([w.mins for w in common]) if want[2] else None,
-        want[1],
-    )
+    fused = concat_rows(common)
     assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in parts]))
 
 
