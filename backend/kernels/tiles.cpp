@@ -14,9 +14,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
+#include "int5.h"
 #include "tile_operands.h"
 
 namespace {
@@ -137,26 +137,6 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
   }
 }
 
-// int5: a block's weights 0..15 and 16..31 of tile row t through a 32-entry table of
-// scale * level + min (two vectors, one permutex2var a 16 weights: index bit 4 picks the
-// second), the level's high bit from the row's 4 bytes of qh after its 16 nibble bytes.
-inline void decode_int5(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
-  const __m512 scale = _mm512_set1_ps(sm[t]), min = _mm512_set1_ps(sm[kTile + t]);
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 table_lo = _mm512_add_ps(_mm512_mul_ps(levels, scale), min);
-  const __m512 table_hi = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(levels, _mm512_set1_ps(16)), scale), min);
-  const uint8_t* row = block + t * 20;
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-  uint32_t high;
-  std::memcpy(&high, row + 16, 4);  // bit j: weight j's high bit
-  const __m512i sixteen = _mm512_set1_epi32(16);
-  const __m512i nib_lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), nib_hi = _mm512_srli_epi32(bytes, 4);
-  const __m512i idx_lo = _mm512_mask_or_epi32(nib_lo, static_cast<__mmask16>(high), nib_lo, sixteen);
-  const __m512i idx_hi = _mm512_mask_or_epi32(nib_hi, static_cast<__mmask16>(high >> 16), nib_hi, sixteen);
-  lo = _mm512_permutex2var_ps(table_lo, idx_lo, table_hi);
-  hi = _mm512_permutex2var_ps(table_lo, idx_hi, table_hi);
-}
-
 // int5's tiles: int4's params, 20 bytes a row's block (formats.tile_weight).
 struct TileDecoder5 {
   static constexpr int64_t kBlockBytes = kTile * 20, kParams = 2 * kTile;
@@ -167,7 +147,8 @@ struct TileDecoder5 {
       : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * kParams) {}
 
   void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
-    decode_int5(data + b * kBlockBytes, params + b * kParams, t, lo, hi);
+    const float* sm = params + b * kParams;  // the 4 scales, then the 4 mins
+    decode_int5(data + b * kBlockBytes + t * 20, sm[t], sm[kTile + t], lo, hi);
   }
 };
 

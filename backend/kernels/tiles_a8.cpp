@@ -19,8 +19,9 @@
 // int8 weights stored as qw + 128, and 128 * sum(qx) of x's block (exact in float) taken off
 // the products before the scale.
 //
-// int5 (GGUF's Q5_0 / Q5_1 / Q5_K): int4's 4 vectors a block and a 5th of high bits, ORed into
-// the nibbles as a block is loaded (add_high_bits); the rest is int4's, mins included.
+// int5 (GGUF's Q5_0 / Q5_1 / Q5_K): int4's 4 vectors a block and a 5th of high bits (8 masks of
+// 64), added into the nibbles as a block is loaded (int5.h add_high_bits); the rest is int4's,
+// mins included.
 //
 // int8 group 16 (GGUF's K-quants: a scale, and a min, per half block): words 0..3 and 4..7 of
 // a block are summed apart, two chains of 4 vpdpbusd, each half scaled by its own scale; the
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "int5.h"
 #include "tile_operands.h"
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -97,24 +99,6 @@ struct Problem {
   bool accumulate;      // y += the product (tiled_matmul_a8_add), else y = it
 };
 
-// int5: the high bits into the nibbles of w (load_block): byte 4n + k of the plane holds in bit
-// v the high bit of input 4v + k of row n (w[v]'s byte) and in bit 4 + v that of 16 + 4v + k
-// (w[v + 4]'s). Shifting it left by 4 - v (right by v) brings bit v (4 + v) to bit 4 of the
-// same byte; the 16-bit shifts carry bits across bytes, but only into bits the mask 0x10 drops
-// (a bit from the other byte lands at 0..3 or past 4 + 7). One ternary-logic op ORs it in.
-VNNI inline void add_high_bits(__m512i plane, __m512i (&w)[8]) {
-  const __m512i bit4 = _mm512_set1_epi8(0x10);
-  constexpr int kOrMasked = 0xF8;  // a | (b & c): a 0xF0, b 0xCC, c 0xAA
-  w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(plane, 4), bit4, kOrMasked);
-  w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(plane, 3), bit4, kOrMasked);
-  w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(plane, 2), bit4, kOrMasked);
-  w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(plane, 1), bit4, kOrMasked);
-  w[4] = _mm512_ternarylogic_epi32(w[4], plane, bit4, kOrMasked);
-  w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(plane, 1), bit4, kOrMasked);
-  w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(plane, 2), bit4, kOrMasked);
-  w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(plane, 3), bit4, kOrMasked);
-}
-
 // Block b's 8 words of weights, word j (4 inputs 4j .. 4j + 3 of each of the 16 rows) in w[j];
 // kBits 4, 5 (int4's words and a 5th vector of high bits) or 8.
 template <int kBits>
@@ -126,7 +110,7 @@ VNNI inline void load_block(const uint8_t* block, __m512i (&w)[8]) {
       w[v] = _mm512_and_si512(packed, nibble);
       w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
-    if constexpr (kBits == 5) add_high_bits(_mm512_loadu_si512(block + 4 * 64), w);
+    if constexpr (kBits == 5) add_high_bits(block + 4 * 64, w);
   } else {
     for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(block + v * 64);
   }

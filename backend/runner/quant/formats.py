@@ -48,7 +48,7 @@ class Tiles:
       and 16 + 4v.. in the high ones of vector v), so one vpdpbusd takes 4 inputs of 16 rows.
 
     int5: float32 activations: a row's block is its 16 nibble bytes then its 4 bytes of qh (20
-    bytes); int8 activations: int4's 4 vectors and a 5th of high bits (`_high_bit_plane`). The
+    bytes); int8 activations: int4's 4 vectors and a 5th of high bits (`_high_bit_plane`: 8 masks). The
     data's shape tells the kernels int5 (last dimension 20, or 5 vectors); params are int4's.
 
     Group 16 (int8 only): the data is group 32's; params get a dimension for the block's two
@@ -59,7 +59,7 @@ class Tiles:
 
     data: torch.Tensor  # float32 activations: [out / TILE, in / 32, TILE, bytes], each row's bytes
     # of the block as in q (int5: then its 4 qh bytes, 20 in all); int8: uint8 [out / TILE_A8,
-    # in / 32, 4 (int4), 5 (int5: int4's and the high-bit plane) or 8 (int8: q + 128), 64]
+    # in / 32, 4 (int4), 5 (int5: int4's and 8 masks of high bits) or 8 (int8: q + 128), 64]
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
     # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each);
     # group 16: [out / TILE, in / 32, 2, 2 * TILE or TILE], half 0's params then half 1's
@@ -171,13 +171,12 @@ def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles 
 
 
 def _high_bit_plane(weight: QuantizedWeight, tiles: int, rows: int, blocks: int) -> torch.Tensor:
-    """int5's high bits for the int8-activation tiles: a 5th 64-byte word of a block, byte
-    4n + k (row n) holding in bit v the high bit of input 4v + k and in bit 4 + v that of input
-    16 + 4v + k, so vector v's 5-bit values are a shift and a mask from it (tiles_a8.cpp)."""
-    high = unpack_high_bits(weight.qh).to(torch.int32).reshape(tiles, rows, blocks, 2, 4, 4)  # [.., half, v, k]
-    shifts = (torch.arange(2)[:, None] * 4 + torch.arange(4)[None, :])[..., None]  # bit 4 * half + v
-    plane = (high << shifts).sum((3, 4)).to(torch.uint8)  # [tiles, rows, blocks, k]
-    return plane.permute(0, 2, 1, 3).reshape(tiles, blocks, 1, rows * 4)
+    """int5's high bits for the int8-activation tiles: a 5th 64-byte word of a block, 8 masks of
+    64 bits (little-endian), mask j's bit 4n + k the high bit of row n's input 4j + k: the bytes
+    of word j of the block that take 16 (tiles_a8.cpp, int5.h add_high_bits)."""
+    high = unpack_high_bits(weight.qh).reshape(tiles, rows, blocks, 8, 4)  # [.., j, k]
+    high = high.permute(0, 2, 3, 1, 4).reshape(tiles * blocks * 8, rows * 4)  # [.., j, 4n + k]
+    return pack_high_bits(high).reshape(tiles, blocks, 1, rows * 4)
 
 
 def _per_block(values: torch.Tensor, group: int, rows: int) -> torch.Tensor:

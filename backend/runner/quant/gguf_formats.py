@@ -10,7 +10,8 @@ of them bit for bit in float32 (all of its products are exact or made in the sam
   nibbles and qh as the file has them);
 - Q4_K: int4 g32, scale d * sc, min -dmin * m (a 64-weight chunk's 32 bytes hold weights
   0..31 in their low nibbles and 32..63 in the high ones: repacked into our layout);
-- Q5_K: int5 g32 like Q4_K (nibbles repacked; sub-block s's high bits bit s of qh[j]); Q2_K: int8 g16, q 0..3, scale d * sc, min -dmin * m;
+- Q5_K: int5 g32 like Q4_K (nibbles repacked; sub-block s's high bits: bit s of qh[j]);
+- Q2_K: int8 g16, q 0..3, scale d * sc, min -dmin * m;
 - Q3_K: int8 g16 symmetric, q -4..3, scale d * (sc - 32); Q6_K: int8 g16 symmetric, q - 32,
   scale d * sc.
 
@@ -107,8 +108,15 @@ def _nibbles(b: np.ndarray) -> np.ndarray:
     return np.stack((b & 0xF, b >> 4), axis=-2)
 
 
-def _weight(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, rows: int, group: int,
-            qh: np.ndarray | None = None):
+def _weight(
+    kind: str,
+    q: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray | None,
+    rows: int,
+    group: int,
+    qh: np.ndarray | None = None,
+):
     """QuantizedWeight from q ([rows, ...], row-major in weight order; int4 / int5: packed bytes),
     per-group scales and mins ([rows, ...] in group order) and int5's qh bytes."""
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype=np.float32))
@@ -211,8 +219,8 @@ _CONVERT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": 
 def common_format(parts: list[QuantizedWeight | torch.Tensor]) -> list[QuantizedWeight] | None:
     """`parts` (rows of one fused matrix) in one format, so their q, scales and mins concatenate
     by rows, each dequantizing to exactly what it did: int4 / int5 -> int8 (q 0..15 / 0..31, same
-    scales and mins) where any part is int8, else int4 -> int5 (high bits 0) where any is int5; the smallest group (each group's scale and min repeated);
-    with mins (0 for symmetric int8) where any part has them.
+    scales and mins) where any part is int8, else int4 -> int5 (high bits 0) where any is int5;
+    the smallest group (each group's scale and min repeated); with mins (0 for symmetric int8) where any part has them.
 
     None where that cannot be done: a float part (F32/F16/BF16, a torch.Tensor from `to_weight`)
     among them, or groups that are not multiples of the smallest; the caller then handles the
