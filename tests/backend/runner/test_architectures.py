@@ -148,7 +148,8 @@ def _logprobs(eng: LLMEngine, request: GenerationRequest) -> list:
 @pytest.mark.parametrize(
     ("model_type", "overrides", "reason"),
     [
-        ("mamba", {}, "attend"),  # a recurrent model: no attention at all
+        ("mamba", {}, "state outside attention's KV cache"),  # config.json says so
+        ("rwkv", {"attention_hidden_size": 128}, "attend once"),  # it does not: the load's probe finds it
         ("bert", {"is_decoder": True}, "not a decoder-only model"),
     ],
 )
