@@ -45,13 +45,13 @@ def _rate(engine, prompts: list[list[int]], tokens: int) -> float:
     return generated / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder or GGUF file (default: the default model)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     from backend.runner.convert import ensure_default_model

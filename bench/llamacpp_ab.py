@@ -27,7 +27,7 @@ from bench.figures import describe_cpu
 from bench.throughput import prompts_for
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=32)
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--activations", default="auto", help="QUANT_ACTIVATIONS of our server")
     parser.add_argument("--gguf", help="a GGUF file both servers serve (default: the default model's Q4_1)")
     parser.add_argument("--repack", action="store_true", help="llama-server repacks weights (no --no-repack)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     binary = llamacpp.server_binary()
     if binary is None:
         raise SystemExit("LLAMA_SERVER must name a llama-server binary")

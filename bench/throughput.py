@@ -28,7 +28,19 @@ from pathlib import Path
 
 import torch
 
-from bench import beams, grammar_cost, llamacpp, lora, quality, routing, sampler_cost, speculative, vision
+from bench import (
+    beams,
+    generic_path,
+    gguf_ab,
+    grammar_cost,
+    llamacpp,
+    lora,
+    quality,
+    routing,
+    sampler_cost,
+    speculative,
+    vision,
+)
 from bench.figures import Figures, FormatFigures, describe_cpu, format_name, report, split_format
 
 QUESTIONS = [
@@ -230,3 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     vision.main()  # prefill with images against transformers
     print()
     routing.main(model_path)  # KV-aware routing against round robin over 3 instances
+    print()
+    gguf_ab.main([])  # K-quant GGUF files (Q4_K_M, Q6_K) against llama-server on the same files
+    print()
+    generic_path.main([])  # the transformers path against our own forward on the same model

@@ -42,7 +42,8 @@ def kv_block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: to
 
 class DraftModelRunner:
     def __init__(self, path: str, target_path: str, target: ModelConfig, dtype, device):
-        self.model = load_model(path, dtype, device)
+        self.model = load_model(path, dtype, device)  # either forward: ours, or the transformers path
+        self.dtype, self.device = dtype, torch.device(device)
         check_same_vocabulary(path, target_path, self.model.config, target)
         self.vocab_size = target.vocab_size
         self.kv_caches: list[torch.Tensor] = []  # allocate() makes them, once the pool's size is known
@@ -51,13 +52,13 @@ class DraftModelRunner:
         return kv_block_bytes(self.model.config, self.model.config.num_layers, block_size, dtype)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        cfg, weight = self.model.config, self.model.norm
-        self.kv_caches = allocate_kv(cfg, cfg.num_layers, num_blocks, block_size, weight.dtype, weight.device)
+        cfg = self.model.config
+        self.kv_caches = allocate_kv(cfg, cfg.num_layers, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def greedy(self, spans: list[Span]) -> list[int]:
         """The draft model's argmax after each span (each wants one logits row)."""
-        batch = build_forward_batch(spans, self.kv_caches[0].shape[2], self.model.norm.device)
+        batch = build_forward_batch(spans, self.kv_caches[0].shape[2], self.device)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return logits[:, : self.vocab_size].argmax(dim=-1).tolist()

@@ -39,7 +39,25 @@ def transformers_class(raw: dict[str, Any]) -> str:
         raise NotServable(f"model_type {model_type!r} has no causal language model in transformers")
     if raw.get("is_encoder_decoder") or model_type in MASKED:
         raise NotServable(f"model_type {model_type!r} is not a decoder-only model")
+    state = _state_outside_kv(raw.get("text_config") or raw)
+    if state:
+        raise NotServable(f"{CAUSAL[model_type]} keeps state outside attention's KV cache ({state})")
     return CAUSAL[model_type]
+
+
+# config.json keys of models whose layers keep state besides attention's keys and values
+# (Mamba and its hybrids, convolution layers, KV shared across layers): what config.json
+# says; the load's probe catches the rest (RWKV, xLSTM have none of these)
+_STATE_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache", "layers_block_type",
+               "attn_layer_indices", "block_types", "num_kv_shared_layers")  # fmt: skip
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _state_outside_kv(raw: dict[str, Any]) -> str:
+    """What in a config.json says its layers keep other state ("" where nothing does)."""
+    keys = [key for key in _STATE_KEYS if raw.get(key)]
+    kinds = sorted(set(raw.get("layer_types") or ()) - set(_ATTENTION_LAYERS))
+    return ", ".join([*keys, *(f"{kind} layers" for kind in kinds)])
 
 
 def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: str) -> ModelConfig:

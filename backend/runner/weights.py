@@ -30,11 +30,13 @@ def eos_token_ids(folder: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 def weight_formats(folder: Path) -> str:
     """The folder's weights by format and tensor count: a GGUF file's block formats (served as
-    they are under QUANT=auto), or the safetensors' dtypes."""
+    they are under QUANT=auto: a GGUF file's folder, or the default model's), or the
+    safetensors' dtypes."""
+    from backend.runner.convert import source_gguf
     from backend.runner.gguf_model import gguf_source
     from backend.runner.quant.gguf_blocks import read_tensor_table
 
-    source = gguf_source(folder)
+    source = gguf_source(folder) or source_gguf(folder)
     if source is not None:
         counts = Counter(t.type_name for t in read_tensor_table(source))
         return f"of {source.name}: " + ", ".join(f"{name} x {n}" for name, n in counts.most_common())

@@ -148,7 +148,8 @@ def _logprobs(eng: LLMEngine, request: GenerationRequest) -> list:
 @pytest.mark.parametrize(
     ("model_type", "overrides", "reason"),
     [
-        ("mamba", {}, "attend"),  # a recurrent model: no attention at all
+        ("mamba", {}, "state outside attention's KV cache"),  # config.json says so
+        ("rwkv", {"attention_hidden_size": 128}, "attend once"),  # it does not: the load's probe finds it
         ("bert", {"is_decoder": True}, "not a decoder-only model"),
     ],
 )
@@ -169,3 +170,15 @@ def test_model_impl_transformers_runs_a_native_architecture_on_the_generic_path(
     assert not eng.runner.native
     tokens, _ = run_to_completion(eng, {"t": greedy()})
     assert_matches(tokens["t"], ref, logits, "llama on the transformers path")
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_speculative_verify_steps_on_the_generic_path_keep_transformers_tokens(tmp_path, model_type):
+    """n-gram drafts verified k + 1 rows a step (soft-capped and sink attention included)."""
+    model = build(model_type, tmp_path, ARCHITECTURES[model_type][0])
+    prompt = (PROMPT[:10] * 5)[:48]  # repeats: the n-gram drafter proposes
+    ref, logits = reference(model, prompt)
+    eng = LLMEngine(EngineConfig(model_path=str(tmp_path), max_loras=0, speculative="ngram", quant="none"))
+    tokens, _ = run_to_completion(eng, {"s": greedy(prompt=prompt)})
+    assert_matches(tokens["s"], ref, logits, f"{model_type} speculative")
+    assert eng.speculator.stats.num_draft_tokens > 0  # verify steps ran

@@ -124,3 +124,14 @@ def test_an_architecture_transformers_cannot_read_is_refused_with_the_list(tmp_p
     path = write_model(tmp_path / "odd.gguf", ["Q8_0"], arch="rwkv6")
     with pytest.raises(ValueError, match="not supported.*GGUF architectures read: .*llama"):
         model_folder(path)
+
+
+def test_the_served_name_is_the_files_and_its_preset_the_models(tmp_path):
+    from backend.settings.model_settings import PRESETS_DIR, ModelSettings
+    from backend.settings.paths import model_name
+
+    folder = model_folder(write_model(tmp_path / "SmolLM2-135M-Instruct.Q5_K_M.gguf", ["Q8_0"]))
+    assert model_name(folder) == "SmolLM2-135M-Instruct.Q5_K_M"
+    assert ModelSettings.load(folder).source == PRESETS_DIR / "SmolLM2-135M-Instruct.toml"
+    (tmp_path / "MODEL.toml").write_text("[sampling]\ntemperature = 0.3\n")  # beside the file: its own
+    assert ModelSettings.load(folder).source == tmp_path / "MODEL.toml"
