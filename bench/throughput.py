@@ -30,8 +30,6 @@ import torch
 
 from bench import (
     beams,
-    generic_path,
-    gguf_ab,
     grammar_cost,
     llamacpp,
     lora,
@@ -242,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     vision.main()  # prefill with images against transformers
     print()
     routing.main(model_path)  # KV-aware routing against round robin over 3 instances
+    from bench import generic_path, gguf_ab  # they read prompts_for from here
+
     print()
     gguf_ab.main([])  # K-quant GGUF files (Q4_K_M, Q6_K) against llama-server on the same files
     print()
