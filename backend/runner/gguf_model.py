@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from backend.runner.gguf_gaps import fill_gaps
 from backend.settings.paths import GGUF_SOURCE_FILE as SOURCE
 from backend.settings.paths import cache_dir, gguf_source_file
 
@@ -93,27 +94,11 @@ def _write_folder(source: Path, out: Path) -> None:
     if config.model_type not in CAUSAL:
         raise ValueError(f"{source.name}: model_type {config.model_type!r} is not a causal language model")
     config.architectures = [CAUSAL[config.model_type]]
-    _fill_gaps(config, source)
+    fill_gaps(config, source)
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(out)
     for path in out.iterdir():
         path.chmod(0o644)
-
-
-# GGUF metadata transformers' reader leaves out (transformers 5.24), by config attribute
-_GAPS = {"moe_intermediate_size": "expert_feed_forward_length"}
-
-
-def _fill_gaps(config, source: Path) -> None:
-    """Set what transformers' GGUF reader missed: a MoE's expert width (Qwen2/3-MoE files)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(source).fields
-    arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    for attribute, key in _GAPS.items():
-        field = fields.get(f"{arch}.{key}")
-        if field is not None and hasattr(config, attribute):
-            setattr(config, attribute, int(field.parts[-1][0]))
 
 
 def _magic(path: Path) -> bool:

@@ -1,11 +1,13 @@
-"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3 files): the decoder's
+"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3, Phi-3 files): the decoder's
 linears and the lm_head as the file stores them, each in its own block format
 (quant/gguf_formats.py; the parts of a fused q|k|v or gate|up in their common format), and the
 rest (norms, biases, the embedding table) as float32 under Hugging Face's names.
 
 llama.cpp's converter permutes the q and k rows of Llama-family files (its RoPE pairs
 neighbours; ours, as Hugging Face's, halves): `_unpermute` restores the order, as
-transformers' GGUF loader does. Qwen files are not permuted.
+transformers' GGUF loader does. Qwen files are not permuted. Phi-3 files store q|k|v and
+gate|up fused (attn_qkv, a 2 x wide ffn_up), as our parameters are; a partial rotary's heads
+take our order (backend/runner/models/rope.py) here for the blocks, in load_weights for floats.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend.runner.models.rope import qkv_order
 from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize, select_rows
 from backend.runner.quant.gguf_blocks import GgufTensor
 from backend.runner.quant.gguf_formats import common_format
@@ -32,19 +35,28 @@ _LAYER = {  # after blk.N. -> after model.layers.N.
     "attn_output.bias": "self_attn.o_proj.bias",
     **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
 }
-_IGNORED = ("rope_freqs.weight",)  # llama3's RoPE factors: our RoPE computes them from config.json
+_FUSED_LAYER = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# RoPE's factors (llama3's, Phi-3's longrope): our RoPE takes them from config.json
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # our fused linears: their parts, in row order
 LINEAR_PARTS = {"qkv_t": ("attn_q", "attn_k", "attn_v"), "o_proj_t": ("attn_output",),
                 "gate_up_t": ("ffn_gate", "ffn_up"), "down_t": ("ffn_down",)}  # fmt: skip
+FUSED_PARTS = {**LINEAR_PARTS, "qkv_t": ("attn_qkv",), "gate_up_t": ("ffn_up",)}  # Phi-3's
+_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
-def hf_name(name: str) -> str:
+def _fused(cfg: ModelConfig) -> bool:
+    return cfg.architecture in _FUSED_ARCHITECTURES
+
+
+def hf_name(name: str, cfg: ModelConfig) -> str:
     """A GGUF tensor's Hugging Face name; ValueError for one our forward has no place for."""
     if name in _TOP:
         return _TOP[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    layer = {**_LAYER, **_FUSED_LAYER} if _fused(cfg) else _LAYER
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     raise ValueError(f"GGUF tensor {name} has no place in our forward")
 
 
@@ -52,12 +64,16 @@ def block_linears(tensors: dict[str, GgufTensor], cfg: ModelConfig, permuted: bo
     """Our parameter name ("layers.3.qkv_t", "lm_head_t") -> its weights as the file's blocks;
     a linear with a float part (F16 ...) is left out (the caller quantizes it from floats)."""
     taken: dict[str, QuantizedWeight] = {}
+    rotary = qkv_order(cfg)
     for layer in range(cfg.num_layers):
-        for ours, names in LINEAR_PARTS.items():
+        for ours, names in (FUSED_PARTS if _fused(cfg) else LINEAR_PARTS).items():
             parts = [_oriented(tensors[f"blk.{layer}.{n}.weight"], cfg, permuted) for n in names]
             common = common_format(parts)
             if common is not None:
-                taken[f"layers.{layer}.{ours}"] = _concat(common)
+                weight = _concat(common)
+                taken[f"layers.{layer}.{ours}"] = (
+                    weight if ours != "qkv_t" or rotary is None else select_rows(weight, rotary)
+                )
     head = tensors.get("output.weight", tensors["token_embd.weight"])
     weight = head.weight()
     if isinstance(weight, QuantizedWeight):
@@ -73,7 +89,7 @@ def float_weights(
     for tensor in tensors.values():
         if tensor.name in _IGNORED:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, cfg)
         if name in skip:
             continue
         weight = _oriented(tensor, cfg, permuted)
@@ -85,6 +101,8 @@ def float_weights(
 def linear_names(cfg: ModelConfig, taken: dict[str, QuantizedWeight]) -> set[str]:
     """The Hugging Face names of the tensors `block_linears` took."""
     hf = {"qkv_t": ("q", "k", "v"), "o_proj_t": ("o",), "gate_up_t": ("gate", "up"), "down_t": ("down",)}
+    if _fused(cfg):
+        hf.update(qkv_t=("qkv",), gate_up_t=("gate_up",))
     names = set()
     for key in taken:
         if key == "lm_head_t":

@@ -5,6 +5,7 @@ tries the generic path)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "MiMoForCausalLM",  # Qwen2 plus MTP layers (backend/runner/models/mtp.py)
     "Qwen2VLForConditionalGeneration",  # a Qwen2 with M-RoPE plus a vision tower (visual.*)
     "Qwen2_5_VLForConditionalGeneration",
+    "Phi3ForCausalLM",  # Phi-3 / 3.5 / 4 and Phi-4-mini: fused q|k|v and gate|up, longrope, partial rotary
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -30,14 +32,18 @@ _BY_MODEL_TYPE = {
     "mimo": "MiMoForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
 }
 # vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
 _VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_LONGROPE_NAMES = ("su", "yarn")  # Phi-3's older names of longrope (transformers' Phi3Config)
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
+def load_model_config(path: str | Path, context: int | None = None) -> ModelConfig:
+    """`context`: the served context (MAX_MODEL_LEN; None: max_position_embeddings), which picks
+    longrope's factors (`_longrope`)."""
     folder = Path(path)
     top = json.loads((folder / "config.json").read_text())
     # A vision-language config nests the language model's settings in text_config (transformers
@@ -63,7 +69,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        rope=_rope_config(raw, arch),
+        rope=_rope_config(raw, arch, context),
         # transformers reads a composite config's tie top-level, or (older saves) in text_config
         tie_word_embeddings=bool(top.get("tie_word_embeddings", False) or raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
@@ -97,23 +103,46 @@ def _architecture(raw: dict[str, Any]) -> str:
     return arch
 
 
-def _rope_config(raw: dict[str, Any], arch: str) -> RopeConfig:
+def _rope_config(raw: dict[str, Any], arch: str, context: int | None) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta included); older configs have
     # top-level `rope_theta` and an optional `rope_scaling` using "type" or "rope_type".
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "mrope" and arch in _VISION_FAMILIES:  # Qwen2-VL's older name: default frequencies
         rope_type = "default"
-    if rope_type not in _ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope_type in _LONGROPE_NAMES and arch == "Phi3ForCausalLM":
+        rope_type = "longrope"
+    if rope_type not in _ROPE_TYPES:
         raise ValueError(f"unsupported RoPE scaling {params} for {arch}; supported types: {_ROPE_TYPES}")
-    return RopeConfig(
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    rope = RopeConfig(
         theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
+        partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
     )
+    if rope_type == "longrope":
+        _longrope(rope, params, raw.get("max_position_embeddings", 4096), context)
+    return rope
+
+
+def _longrope(rope: RopeConfig, params: dict[str, Any], max_positions: int, context: int | None) -> None:
+    """Phi-3's longrope, as transformers computes it, with one choice made once: the long
+    factors when the served context exceeds the pretraining one (llama.cpp's choice). transformers
+    switches by the length of the sequence at hand, which would turn a sequence's cached keys
+    by other frequencies than its later queries (and make a row's numbers depend on its batch)."""
+    original = rope.original_max_position_embeddings or max_positions
+    rope.original_max_position_embeddings = original
+    factor = float(params.get("factor") or max_positions / original)
+    if params.get("attention_factor") is not None:
+        rope.attention_factor = float(params["attention_factor"])
+    elif factor > 1.0:
+        rope.attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    long = (context or max_positions) > original
+    rope.ext_factors = tuple(float(f) for f in params["long_factor" if long else "short_factor"])
 
 
 def _mrope_section(raw: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -157,7 +186,7 @@ def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
         return ()
     num_layers = raw["num_hidden_layers"]
     layer_types = raw.get("layer_types")
-    if layer_types is None and arch == "MistralForCausalLM":
+    if layer_types is None and arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer
         layer_types = ["sliding_attention"] * num_layers
     elif layer_types is None:
         first_sliding = raw.get("max_window_layers", num_layers)

@@ -31,14 +31,20 @@ _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None, impl: str = "auto"
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantSpec | None = None,
+    impl: str = "auto",
+    context: int | None = None,
 ) -> LlamaForCausalLM | M2M100ForTranslation | TransformersCausalLM:
     """The folder's model: on our own forward where it takes the architecture (its MTP layers,
     when the checkpoint ships them, in `model.mtp`), else on the generic path (transformers'
     modeling code: backend/runner/models/transformers_lm.py); `impl` (MODEL_IMPL) forces one:
     native | transformers. An NLLB / M2M100 folder gives M2M100ForTranslation
     (backend/runner/models/m2m100_decoder.py). `quant` (QUANT) quantizes the decoder's linears:
-    backend/runner/quant/apply.py."""
+    backend/runner/quant/apply.py. `context` (MAX_MODEL_LEN) picks longrope's factors
+    (backend/runner/hf_config.py)."""
     folder = Path(path)
     if impl not in MODEL_IMPLS:
         raise ValueError(f"MODEL_IMPL must be one of {', '.join(MODEL_IMPLS)}; got {impl!r}")
@@ -48,7 +54,7 @@ def load_model(
         return M2M100ForTranslation.load(folder, dtype, device)
     refusal = "MODEL_IMPL=transformers" if impl == "transformers" else _native_refusal(folder)
     if refusal is None:
-        return _load_native(folder, dtype, device, quant)
+        return _load_native(folder, dtype, device, quant, context)
     if impl == "native":
         raise ValueError(f"MODEL_IMPL=native: {refusal}")
     return _load_generic(folder, dtype, device, quant, refusal)
@@ -107,8 +113,8 @@ def describe_model(path: str | Path, impl: str = "auto") -> str:
     return f"{model_name(folder)}: {where}; weights {weight_formats(folder)}"
 
 
-def _load_native(folder: Path, dtype, device, quant: QuantSpec | None) -> LlamaForCausalLM:
-    cfg = load_model_config(folder)
+def _load_native(folder: Path, dtype, device, quant: QuantSpec | None, context: int | None) -> LlamaForCausalLM:
+    cfg = load_model_config(folder, context)
     model = LlamaForCausalLM(cfg, dtype, device)
     source = gguf_source(folder)
     if source is not None:  # a GGUF file's prepared folder: the weights come from the file

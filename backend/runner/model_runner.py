@@ -75,7 +75,9 @@ class ModelRunner:
         quant = QuantSpec(config.quant, config.quant_group, config.quant_symmetric,
                           activations=config.quant_activations, gemm=config.quant_gemm,
                           gemv_max_rows=config.quant_gemv_max_rows)  # fmt: skip
-        self.model = load_model(config.model_path, self.dtype, self.device, quant, config.model_impl)
+        self.model = load_model(
+            config.model_path, self.dtype, self.device, quant, config.model_impl, config.max_model_len
+        )
         quantized = getattr(self.model, "lm_head_q", None) is not None
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device, quantized)  # the target's; MTP, drafts: dtype
         self.model_config = self.model.config

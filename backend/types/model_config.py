@@ -13,11 +13,16 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default", "linear" or "llama3"
+    rope_type: str = "default"  # "default", "linear", "llama3" or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3, longrope
+    # Phi-3's longrope: the per-frequency factors the served context chose (short_factor, or
+    # long_factor where it exceeds original_max_position_embeddings) and cos / sin's scale
+    ext_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE turns (Phi-4-mini: 0.75)
 
 
 @dataclass(slots=True)

@@ -115,3 +115,40 @@ def _tensor(writer: GGUFWriter, name: str, type_name: str, rows: int, cols: int,
         writer.add_tensor(name, data)
     else:
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])
+
+
+def write_phi3(
+    path: Path, type_name: str, rotary_dims: int, original_context: int | None = None, seed: int = 0
+) -> Path:
+    """A Phi-3 GGUF as llama.cpp's converter writes one: fused attn_qkv and ffn_up (gate|up),
+    `rope.dimension_count` for a partial rotary, and with `original_context` longrope's factor
+    tensors, its original context and attention factor."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, "phi3")
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": HIDDEN, "feed_forward_length": FFN,
+                "head_count": HEADS, "head_count_kv": KV_HEADS, "rope_freq_base": 10000.0,
+                "layer_norm_rms_eps": 1e-5, "rope_dimension_count": rotary_dims}  # fmt: skip
+    for name, value in settings.items():
+        getattr(writer, f"add_{name}")(value)
+    for key, value, kind, item in tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub_type=item)
+    if original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(original_context)
+        writer.add_rope_scaling_attn_factors(1.25)
+        for name, low in (("rope_factors_long.weight", 2.0), ("rope_factors_short.weight", 1.0)):
+            writer.add_tensor(name, (low + rng.random(rotary_dims // 2)).astype(np.float32))
+    _tensor(writer, "token_embd.weight", "Q8_0", VOCAB, HIDDEN, rng)
+    _tensor(writer, "output_norm.weight", "F32", 1, HIDDEN, rng, norm=True)
+    shapes = _shapes()
+    qkv = shapes["attn_q"][0] + 2 * shapes["attn_k"][0]
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            _tensor(writer, f"blk.{i}.{norm}.weight", "F32", 1, HIDDEN, rng, norm=True)
+        for name, (rows, cols) in (("attn_qkv", (qkv, HIDDEN)), ("attn_output", shapes["attn_output"]),
+                                   ("ffn_up", (2 * FFN, HIDDEN)), ("ffn_down", shapes["ffn_down"])):  # fmt: skip
+            _tensor(writer, f"blk.{i}.{name}.weight", type_name, rows, cols, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -24,7 +24,7 @@ from backend.runner.attention import (
     paged_kv,
 )
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.models.rope import rope_inv_freq
+from backend.runner.models.rope import reorder_rotary_rows, rope_inv_freq, rope_table
 from backend.runner.quant.formats import QuantizedWeight
 from backend.runner.quant.matmul import quant_linear
 from backend.types.model_config import ModelConfig
@@ -236,10 +236,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if cached is None or cached[0] != dtype or cached[1].shape[0] <= max_position:
             # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
             size = max(1 << max_position.bit_length(), 256)
-            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()  # [size, D/2]
-            # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+            cos, sin = rope_table(self.config, self.inv_freq, size)
             self._rope_table = cached = (dtype, cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
         return cached[1].index_select(0, positions), cached[2].index_select(0, positions)
 
@@ -259,6 +256,7 @@ class LlamaForCausalLM(torch.nn.Module):
         kept = ((n, t) for n, t in weights if not (n == "lm_head.weight" and tied))
         targets = {name: target for name, target in self._weight_targets().items() if name not in elsewhere}
         copy_weights(self, targets, kept, self.config.architecture)
+        reorder_rotary_rows(self.config, self.layers)  # partial rotary (a file's blocks: gguf_weights)
 
     def _weight_targets(self) -> dict[str, tuple[str, slice]]:
         """Checkpoint name -> (our parameter, the checkpoint rows' place in it)."""
@@ -319,6 +317,12 @@ def layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, slice]]:
         "mlp.up_proj.weight": ("gate_up_t", slice(inter, 2 * inter)),
         "mlp.down_proj.weight": ("down_t", slice(None)),
     }
+    if cfg.architecture == "Phi3ForCausalLM":  # Phi-3's checkpoint fuses them as we do
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del targets[f"self_attn.{name}.weight"]
+        del targets["mlp.gate_proj.weight"], targets["mlp.up_proj.weight"]
+        targets["self_attn.qkv_proj.weight"] = ("qkv_t", slice(None))
+        targets["mlp.gate_up_proj.weight"] = ("gate_up_t", slice(None))
     if cfg.attention_bias:
         targets["self_attn.q_proj.bias"] = ("qkv_bias", slice(0, q))
         targets["self_attn.k_proj.bias"] = ("qkv_bias", slice(q, q + kv))

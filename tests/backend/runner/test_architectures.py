@@ -48,7 +48,7 @@ ARCHITECTURES = {
         {**GQA, "sliding_window": WINDOW, "layer_types": SLIDING, "rope_local_base_freq": 1000.0},
         "transformers",
     ),
-    "phi3": ({"num_key_value_heads": 2, "partial_rotary_factor": 0.5}, "transformers"),
+    "phi3": ({"num_key_value_heads": 2, "partial_rotary_factor": 0.5}, "native"),
     "granite": (
         {
             **GQA,
@@ -74,15 +74,35 @@ def build(model_type: str, folder: Path, overrides: dict) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **{**DIMS, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    sharpen(model, model_type)
     model.save_pretrained(folder)
     return model.eval()
 
 
-def reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and each step's logits [NEW_TOKENS, vocab] (float32)."""
+def sharpen(model: torch.nn.Module, model_type: str, by: float = 8.0) -> None:
+    """Scale every q and k by `by` (their projections, or the q / k norms that follow them):
+    with 0.02-std random weights scores are near 0 and attention near uniform, so RoPE,
+    windows, caps and sinks would barely move the logits; with scores 64 x larger they do."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        norms = {name for name, _ in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))}
+        for name, param in model.named_parameters():
+            if name in norms and model_type.startswith("gemma"):  # (1 + w): scale 1 + w
+                param.mul_(by).add_(by - 1)
+            elif name in norms or (not norms and name.endswith(_QK_PROJECTIONS)):
+                param.mul_(by)
+
+
+# q, k (or fused q|k|v, whose v scaled along does no harm) projections of the families above
+_QK_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight")
+
+
+def reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and each step's logits [NEW_TOKENS, vocab] (float32), EOS
+    allowed as ignore_eos allows it (min_new_tokens would mask it out)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 

@@ -1,0 +1,56 @@
+"""What transformers' GGUF reader (5.24) leaves out of a file's config, read from the file
+itself: a MoE's expert width (Qwen2/3-MoE), and Phi-3's RoPE: the share of each head it turns
+(`rope.dimension_count`: Phi-4-mini turns 96 of 128 dims), longrope (its factor tensors, the
+original context, the attention factor) and the sliding window. Without them transformers
+serves such a file with other numbers than the checkpoint it came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_EXPERT_WIDTH = "expert_feed_forward_length"  # -> moe_intermediate_size
+_LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+
+
+def fill_gaps(config, source: Path) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    fields = {key: _value(field) for key, field in reader.fields.items()}
+    arch = fields["general.architecture"]
+    width = fields.get(f"{arch}.{_EXPERT_WIDTH}")
+    if width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(width)
+    if config.model_type == "phi3":
+        tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name.startswith("rope_")}
+        _phi3_rope(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()}, tensors)
+
+
+def _phi3_rope(config, fields: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+    head_dim = config.hidden_size // config.num_attention_heads
+    params = dict(config.rope_parameters or {})
+    dims = fields.get("rope.dimension_count")
+    if dims:
+        params["partial_rotary_factor"] = int(dims) / head_dim
+    window = fields.get("attention.sliding_window")
+    if window:
+        config.sliding_window = int(window)
+    if all(name in tensors for name in _LONGROPE_TENSORS.values()):
+        original = int(fields.get("rope.scaling.original_context_length") or config.max_position_embeddings)
+        config.original_max_position_embeddings = original
+        params.update(rope_type="longrope", original_max_position_embeddings=original,
+                      **{key: tensors[name].tolist() for key, name in _LONGROPE_TENSORS.items()})  # fmt: skip
+        if fields.get("rope.scaling.attn_factor"):
+            params["attention_factor"] = float(fields["rope.scaling.attn_factor"])
+    config.rope_parameters = params
+
+
+def _value(field) -> Any:
+    """A scalar or string field's value (arrays: None; the tokenizer's are not needed here)."""
+    if len(field.types) != 1:
+        return None
+    part = field.parts[-1]
+    return bytes(part).decode() if field.types[0].name == "STRING" else part[0].item()
