@@ -109,11 +109,12 @@ def test_the_fused_decode_kernel_gives_the_layer_paths_numbers_on_reordered_head
 
 
 @pytest.mark.parametrize("quant", ["auto", "none"])
-def test_a_phi3_gguf_file_with_partial_rotary_and_longrope_matches_transformers(tmp_path, quant):
+def test_a_phi3_gguf_file_with_partial_rotary_and_longrope_matches_transformers(tmp_path, monkeypatch, quant):
     """llama.cpp's Phi-3 layout (fused attn_qkv / ffn_up, longrope's factor tensors, rope's
     dimension count) served from its blocks (auto, the exact mode) or dequantized (none);
     the reference is transformers' Phi-3 on transformers' dequantized weights, with the RoPE
     its GGUF reader leaves out (backend/runner/gguf_gaps.py) set as ours."""
+    monkeypatch.setenv("LLM_CACHE_DIR", str(tmp_path / "cache"))  # the prepared folder
     source = write_phi3(tmp_path / "phi3.Q8_0.gguf", "Q8_0", rotary_dims=48, original_context=32)
     folder = model_folder(source)
     reader = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=source.name)
