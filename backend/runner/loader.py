@@ -71,12 +71,9 @@ def _native_refusal(folder: Path) -> str | None:
 
 def _load_generic(folder: Path, dtype, device, quant: QuantSpec | None, refusal: str) -> TransformersCausalLM:
     """The generic path's model, or one error saying why neither path serves it."""
-    if quant is not None and quant.kind not in ("none", "auto"):
-        raise ValueError(f"QUANT={quant.kind} runs on our own forward; {folder.name} runs on the transformers path "
-                         f"({refusal})")  # fmt: skip
     raw = json.loads((folder / "config.json").read_text())
     try:
-        return load_transformers_model(folder, raw, dtype, device)
+        return load_transformers_model(folder, raw, dtype, device, quant)
     except NotServable as e:
         raise _not_served(folder, raw, e, refusal) from None
 

@@ -14,6 +14,8 @@ import torch
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.gguf_model import gguf_source
 from backend.runner.models.transformers_lm import ATTENTION, TransformersCausalLM, register_attention, row_linears
+from backend.runner.quant.apply import QuantSpec
+from backend.runner.transformers_quant import quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
 
@@ -94,7 +96,7 @@ def _windows(layer_types, window: int | None) -> tuple[int | None, ...]:
 
 
 def load_transformers_model(
-    folder: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device
+    folder: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
 ) -> TransformersCausalLM:
     """The folder's checkpoint on the generic path; NotServable where it cannot run there."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -109,10 +111,10 @@ def load_transformers_model(
         **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
     )
     hf_model = hf_model.to(device).eval()
-    row_linears(hf_model)
+    quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source)
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     probe(model, dtype, device)
-    print(f"model: {class_name} on the transformers path", file=sys.stderr)
+    print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else ""), file=sys.stderr)
     return model
 
 

@@ -152,3 +152,34 @@ def write_phi3(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_from_hf(path: Path, model, arch: str, linear_type: str, settings: dict[str, object]) -> Path:
+    """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
+    gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`;
+    `settings`: GGUFWriter.add_<key> values (block_count ...), plus the default model's tokenizer."""
+    import gguf
+
+    writer = GGUFWriter(path, arch)
+    for name, value in settings.items():
+        getattr(writer, f"add_{name}")(value)
+    for key, value, kind, item in tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub_type=item)
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(model_arch, settings["block_count"])
+    tied = model.config.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.float().numpy()
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 2 and data.shape[1] % 32 == 0 and linear_type != "F32":
+            writer.add_tensor(gguf_name, quantize(data, GGMLQuantizationType[linear_type]),
+                              raw_dtype=GGMLQuantizationType[linear_type])  # fmt: skip
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

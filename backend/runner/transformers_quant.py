@@ -1,0 +1,83 @@
+"""QUANT on the transformers path: the model's RowLinears (every nn.Linear it had) served
+from a GGUF file's own blocks (MODEL=file.gguf, QUANT=auto) or quantized at load
+(QUANT=int8 | int4), multiplied by our quantized kernels as on our own forward.
+
+A GGUF tensor replaces a linear only where it stands for exactly the weights transformers
+loaded there (its dequantized numbers equal, bit for bit): a file whose converter reordered
+or rescaled a tensor that transformers' reader then undid keeps that linear in float32. A
+mixture's router (`gate`, `router`) stays float32 under QUANT=int8 | int4: its top-k picks
+the experts, and a rounding there would pick others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backend.kernels import native
+from backend.runner.models.transformers_lm import RowLinear
+from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
+from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, tile_weight
+from backend.runner.quant.gguf_blocks import read_tensor_table
+from backend.runner.quant.matmul import GEMM_DTYPES, activations_for
+
+_ROUTERS = ("gate", "router")
+
+
+def quantize_linears(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path | None) -> str | None:
+    """Quantize the linears in place as QUANT (`spec`) says; a line saying what was done
+    (None: they stay float32). Our kernels take float32 activations on the CPU only."""
+    if spec.kind == "none" or not linears:
+        return None
+    weight_t = linears[0][1].weight_t
+    if native() is None or not weight_t.is_cpu or weight_t.dtype != torch.float32:
+        if spec.kind == "auto":
+            return None
+        raise ValueError(f"QUANT={spec.kind} on the transformers path needs float32 weights on the CPU and our kernels")
+    if spec.kind == "auto":
+        return _gguf_blocks(linears, spec, source) if source is not None else None
+    done = 0
+    for name, row in linears:
+        head = name == "lm_head"
+        kind, group = ("int8", LM_HEAD_GROUP) if head else (spec.kind, spec.group)
+        if name.rsplit(".", 1)[-1] in _ROUTERS or row.weight_t.shape[0] % group:
+            continue
+        _install(row, quantize(row.weight_t.t(), kind, group, spec.symmetric or head), spec, spec.kind)
+        done += 1
+    return f"QUANT={spec.kind}: {done} of {len(linears)} linears quantized at load (routers and the rest stay float32)"
+
+
+def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path) -> str:
+    """Each linear whose GGUF tensor holds exactly its weights takes the tensor's blocks."""
+    tensors = {t.name: t for t in read_tensor_table(source)}
+    names = _name_map(source, tensors)
+    done = 0
+    for name, row in linears:
+        gguf_name = names.get_name(name)
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None and name == "lm_head":  # tied: the embedding's blocks
+            tensor = tensors.get("token_embd.weight")
+        weight = tensor.weight() if tensor is not None and tensor.raw is not None else None
+        if not isinstance(weight, QuantizedWeight) or weight.out_features != row.weight_t.shape[1]:
+            continue
+        if torch.equal(dequantize(weight), row.weight_t.t()):
+            _install(row, weight, spec, "int4")  # llama.cpp's arithmetic: int8 activations where VNNI
+            done += 1
+    return f"QUANT=auto: {done} of {len(linears)} linears in the GGUF file's own block formats (the rest float32)"
+
+
+def _name_map(source: Path, tensors: dict):
+    """gguf-py's map of transformers module names to the file's tensor names."""
+    import gguf
+
+    arch_name = gguf.GGUFReader(source).fields["general.architecture"]
+    arch_name = bytes(arch_name.parts[-1]).decode()
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    blocks = 1 + max((int(n.split(".")[1]) for n in tensors if n.startswith("blk.")), default=-1)
+    return gguf.get_tensor_name_map(arch, blocks)
+
+
+def _install(row: RowLinear, weight: QuantizedWeight, spec: QuantSpec, kind: str) -> None:
+    weight.tiles = tile_weight(weight, activations_for(kind, spec.activations))
+    weight.gemv_max_rows, weight.gemm_dtype = spec.gemv_max_rows, GEMM_DTYPES[spec.gemm]
+    row.weight_t = weight

@@ -1,0 +1,105 @@
+"""QUANT on the transformers path (backend/runner/transformers_quant.py): QUANT=int8 / int4
+quantize every linear at load but a mixture's router, and a GGUF file of an architecture
+our own forward does not take serves its linears from the file's own blocks. The exact
+mode (float32 activations) gives transformers' tokens on the same numbers: the quantized
+weights dequantized into transformers' model, or transformers' own load of the file."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from backend.contract import GenerationRequest, SamplingParams
+from backend.core.engine import LLMEngine
+from backend.runner.models.transformers_lm import RowLinear
+from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize
+from backend.settings.engine import EngineConfig
+from tests.helpers.gguf_files import VOCAB, write_from_hf
+
+NEW = 12
+PROMPT = [random.Random(4).randrange(3, 500) for _ in range(30)]
+DIMS = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def build(model_type: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**DIMS, **overrides})).eval()
+    with torch.no_grad():  # sharp attention (see test_architectures.sharpen)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8)
+    return model
+
+
+def greedy_reference(model: torch.nn.Module) -> tuple[list[int], torch.Tensor]:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    return out.sequences[0, len(PROMPT) :].tolist(), torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+
+
+def serve(path, **config) -> tuple[LLMEngine, list[int], list[float]]:
+    eng = LLMEngine(EngineConfig(model_path=str(path), max_loras=0, speculative="off", quant_activations="float32",
+                                 model_impl="transformers", **config))  # fmt: skip
+    eng.add_request("r", GenerationRequest(prompt_tokens=list(PROMPT), sampling=SamplingParams(
+        temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=True, top_logprobs=1)), None)  # fmt: skip
+    tokens, logprobs = [], []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens += out.token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+    return eng, tokens, logprobs
+
+
+def linears(eng: LLMEngine) -> dict[str, RowLinear]:
+    """The served model's RowLinears by transformers' names (its base model sits apart: TransformersCausalLM)."""
+    model = eng.runner.model
+    prefix = model.hf.base_model_prefix
+    found = {f"{prefix}.{n}": m for n, m in model.base.named_modules() if isinstance(m, RowLinear)}
+    return {**found, **{n: m for n, m in model.hf.named_modules() if isinstance(m, RowLinear)}}
+
+
+def assert_close(tokens, logprobs, ref, expected) -> None:
+    assert tokens == ref
+    for i, token in enumerate(ref):
+        assert abs(logprobs[i] - float(expected[i, token])) < 1e-3, i
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("starcoder2", {}),
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}),
+])  # fmt: skip
+def test_quant_int8_quantizes_every_linear_but_routers_and_keeps_transformers_numbers(tmp_path, model_type, overrides):
+    model = build(model_type, **overrides)
+    model.save_pretrained(tmp_path)
+    eng, tokens, logprobs = serve(tmp_path, quant="int8")
+    served = linears(eng)
+    assert len(served) > 8
+    routers = {n for n in served if n.endswith((".gate", ".router"))}
+    assert all(isinstance(served[n].weight_t, QuantizedWeight) for n in served if n not in routers)
+    assert all(not isinstance(served[n].weight_t, QuantizedWeight) for n in routers)
+    with torch.no_grad():  # the reference: transformers on the weights int8 stands for
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name in served and name not in routers:
+                head = name == "lm_head"  # a new tensor: a tied embedding table stays float, as ours
+                module.weight = torch.nn.Parameter(dequantize(quantize(module.weight, "int8", 32, head)))
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+@pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_0", "Q5_1"])
+def test_a_gguf_file_on_the_transformers_path_serves_its_own_blocks(tmp_path, monkeypatch, linear_type):
+    monkeypatch.setenv("LLM_CACHE_DIR", str(tmp_path / "cache"))
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_eps": 1e-5}  # fmt: skip
+    source = write_from_hf(
+        tmp_path / f"sc2.{linear_type}.gguf", build("starcoder2"), "starcoder2", linear_type, settings
+    )
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=source.name).eval()
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())
+    assert_close(tokens, logprobs, *greedy_reference(reference))
