@@ -5,7 +5,8 @@
 
 struct TileOperands {
   int64_t M, N, K, blocks;
-  bool int4, mins;     // int4 or int5 (else int8) weights; params hold mins after the scales
+  bool int4, mins;     // int4 or int5 (else int8) weights; params hold mins after the scales (int4 /
+                       // int5 without: symmetric, a block's min -8 / -16 x its scale)
   bool int5;           // int5: int4's nibbles and a plane of high bits (formats.Tiles)
   bool halves;         // int8 group 16: params per half block (formats.Tiles)
   const float* bias;   // [N] or null

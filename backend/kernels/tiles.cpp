@@ -29,7 +29,8 @@ constexpr int64_t kGroupFrom = 128;  // rows of x from which the tiles are decod
 
 struct Tiles {
   const uint8_t* data;   // [N / 4, blocks, 4, 16] (int4) or [.., 32] (int8)
-  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without mins);
+  const float* params;   // [N / 4, blocks, 8]: 4 scales, then 4 mins; [.., 4]: scales alone (int8 without
+                         // mins; int4 / int5 symmetric: min -8 / -16 x scale);
                          // int8 group 16: [N / 4, blocks, 2, 8 or 4], each half's
   const float* bias;     // [N] or null
   int64_t N, K, blocks;
@@ -43,9 +44,10 @@ struct Tiles {
 // each half of the block takes its own scale (and min).
 template <bool kInt4, bool kMins, bool kHalves = false>
 inline void decode(const uint8_t* block, const float* sm, int t, __m512& lo, __m512& hi) {
-  static_assert(kMins || !kInt4, "int4 always has mins");
   static_assert(!(kHalves && kInt4), "group 16 is int8's");
-  const __m512 scale = _mm512_set1_ps(sm[t]), min = kMins ? _mm512_set1_ps(sm[kTile + t]) : _mm512_setzero_ps();
+  // symmetric int4 (params without mins: GGUF's Q4_0) has min -8 * scale: the stored one's number
+  const float min_value = kMins ? sm[kTile + t] : kInt4 ? sm[t] * -8.0f : 0.0f;
+  const __m512 scale = _mm512_set1_ps(sm[t]), min = _mm512_set1_ps(min_value);
   if constexpr (kInt4) {
     const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, scale), min);
@@ -137,9 +139,11 @@ inline void dot(const Tiles& w, int64_t tile, const float* x, float* y, Weights&
   }
 }
 
-// int5's tiles: int4's params, 20 bytes a row's block (formats.tile_weight).
+// int5's tiles: int4's params, 20 bytes a row's block (formats.tile_weight); without mins
+// (symmetric: GGUF's Q5_0) a block's min is -16 * its scale.
+template <bool kMins>
 struct TileDecoder5 {
-  static constexpr int64_t kBlockBytes = kTile * 20, kParams = 2 * kTile;
+  static constexpr int64_t kBlockBytes = kTile * 20, kParams = (kMins ? 2 : 1) * kTile;
   const uint8_t* data;
   const float* params;
 
@@ -147,8 +151,8 @@ struct TileDecoder5 {
       : data(w.data + tile * w.blocks * kBlockBytes), params(w.params + tile * w.blocks * kParams) {}
 
   void operator()(int64_t b, int t, __m512& lo, __m512& hi) const {
-    const float* sm = params + b * kParams;  // the 4 scales, then the 4 mins
-    decode_int5(data + b * kBlockBytes + t * 20, sm[t], sm[kTile + t], lo, hi);
+    const float* sm = params + b * kParams;  // the 4 scales, then the 4 mins if any
+    decode_int5(data + b * kBlockBytes + t * 20, sm[t], kMins ? sm[kTile + t] : sm[t] * -16.0f, lo, hi);
   }
 };
 
@@ -273,8 +277,8 @@ TileOperands check_tile_operands(const torch::Tensor& x, const torch::Tensor& da
   const bool mins = P == 2 * kTile;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
                   params.size(1) == blocks && (params.dim() == 3 || (halves && !int4 && params.size(2) == 2)) &&
-                  (mins || (!int4 && P == kTile)),
-              "params: float32 [N / 4, K / 32, 8], or [.., 4] for int8 without mins; int8 group 16: [.., 2, 8 or 4]");
+                  (mins || P == kTile),
+              "params: float32 [N / 4, K / 32, 8], or [.., 4] without mins; int8 group 16: [.., 2, 8 or 4]");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
   const int64_t block_bytes = kTile * data.size(3) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
@@ -290,9 +294,10 @@ void tiled_into(const TileOperands& o, const torch::Tensor& x, const torch::Tens
                 accumulate};
   const float* xp = x.data_ptr<float>();
   if (o.int5) {
-    run<TileDecoder5>(w, xp, yp, o.M, o.chunk);
+    o.mins ? run<TileDecoder5<true>>(w, xp, yp, o.M, o.chunk) : run<TileDecoder5<false>>(w, xp, yp, o.M, o.chunk);
   } else if (o.int4) {
-    run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk);
+    o.mins ? run<TileDecoder<true, true>>(w, xp, yp, o.M, o.chunk)
+           : run<TileDecoder<true, false>>(w, xp, yp, o.M, o.chunk);
   } else if (o.halves) {
     o.mins ? run<TileDecoder<false, true, true>>(w, xp, yp, o.M, o.chunk)
            : run<TileDecoder<false, false, true>>(w, xp, yp, o.M, o.chunk);

@@ -179,6 +179,10 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
   const uint8_t* xq = p.x->q.data() + pass * kBlock;
   const float *xd = p.x->d.data() + pass, *xs = p.x->sums.data() + pass, *xo = p.x->offsets.data() + pass;
   const float* xh = kHalves ? p.x->halves.data() + pass * 4 : nullptr;
+  // int4 / int5 without mins (symmetric: GGUF's Q4_0, Q5_0): a block's min is -8 / -16 x its
+  // scale, the very number a stored min holds (a product by a power of 2)
+  constexpr bool kSymmetric = !kMins && kBits != 8;
+  const __m512 kLowest = _mm512_set1_ps(kBits == 5 ? -16.0f : -8.0f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -193,13 +197,13 @@ VNNI void tile_dot(const Problem& p, int64_t tile, int64_t r0) {
       }
     } else {
       const __m512 scales = _mm512_loadu_ps(sm);
-      const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : _mm512_setzero_ps();
+      const __m512 mins = kMins ? _mm512_loadu_ps(sm + kRows) : kSymmetric ? _mm512_mul_ps(scales, kLowest) : scales;
       for (int r = 0; r < R; ++r) {
         const int64_t slot = b * kPassRows + r;
         __m512 dot = _mm512_cvtepi32_ps(block_products(w, xq + slot * kBlock));
         if constexpr (kBits == 8) dot = _mm512_sub_ps(dot, _mm512_set1_ps(xo[slot]));  // integers below 2^24: exact
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, _mm512_set1_ps(xd[slot])), acc[r]);
-        if constexpr (kMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
+        if constexpr (kMins || kSymmetric) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[slot]), acc[r]);
       }
     }
   }
@@ -236,7 +240,8 @@ VNNI void run(const Problem& p, int64_t M) {
 }
 
 // x: contiguous float32 [M, K]; data: uint8 [N / 16, K / 32, 4, 64] (int4) or [.., 8, 64] (int8);
-// params: float32 [N / 16, K / 32, 32] (scales, mins) or [.., 16] (int8 without mins: scales),
+// params: float32 [N / 16, K / 32, 32] (scales, mins) or [.., 16] (scales: int8 without mins, int4 /
+// int5 symmetric),
 // int8 group 16 [N / 16, K / 32, 2, 32 or 16] (each half's); bias: [N], or undefined / empty for none.
 TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& params,
                                const torch::Tensor& bias) {
@@ -251,8 +256,8 @@ TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data
   const bool mins = P == 2 * kRows;
   TORCH_CHECK(params.scalar_type() == torch::kFloat32 && params.is_contiguous() && params.size(0) == tiles &&
                   params.size(1) == blocks && (params.dim() == 3 || (halves && !int4 && params.size(2) == 2)) &&
-                  (mins || (!int4 && P == kRows)),
-              "params: float32 [N / 16, K / 32, 32], or [.., 16] for int8 without mins; group 16: [.., 2, 32 or 16]");
+                  (mins || P == kRows),
+              "params: float32 [N / 16, K / 32, 32], or [.., 16] without mins; group 16: [.., 2, 32 or 16]");
   const bool has_bias = bias.defined() && bias.numel() > 0;  // undefined or empty: none
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias: [N]");
   const int64_t block_bytes = kRows * (int5 ? 20 : int4 ? 16 : 32) + params.numel() / std::max<int64_t>(1, tiles * blocks) * 4;
@@ -267,9 +272,9 @@ void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::T
   const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
                   o.N, o.K, o.blocks, params_per_block, o.chunk, accumulate};
   if (o.int5) {
-    run<5, true>(p, o.M);
+    o.mins ? run<5, true>(p, o.M) : run<5, false>(p, o.M);
   } else if (o.int4) {
-    run<4, true>(p, o.M);
+    o.mins ? run<4, true>(p, o.M) : run<4, false>(p, o.M);
   } else if (o.halves) {
     o.mins ? run<8, true, true>(p, o.M) : run<8, false, true>(p, o.M);
   } else if (o.mins) {

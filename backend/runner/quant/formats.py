@@ -61,7 +61,8 @@ class Tiles:
     # of the block as in q (int5: then its 4 qh bytes, 20 in all); int8: uint8 [out / TILE_A8,
     # in / 32, 4 (int4), 5 (int5: int4's and 8 masks of high bits) or 8 (int8: q + 128), 64]
     # float32 [out / TILE, in / 32, 2 * TILE]: the TILE scales, then the TILE mins; without
-    # mins (symmetric int8), [.., TILE]: the scales alone (int8 activations: TILE_A8 of each);
+    # mins (symmetric int8; int4 / int5 whose mins are -8 / -16 x the scales: `_symmetric`),
+    # [.., TILE]: the scales alone (int8 activations: TILE_A8 of each);
     # group 16: [out / TILE, in / 32, 2, 2 * TILE or TILE], half 0's params then half 1's
     params: torch.Tensor
     activations: str = "float32"  # what the GEMV multiplies them by: float32, or int8 (tiles_a8.cpp)
@@ -154,7 +155,7 @@ def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles 
     if weight.out_features % rows:
         return None
     tiles, blocks = weight.out_features // rows, weight.in_features // BLOCK
-    mins = [] if weight.mins is None else [_per_block(weight.mins, weight.group, rows)]
+    mins = [] if weight.mins is None or _symmetric(weight) else [_per_block(weight.mins, weight.group, rows)]
     params = torch.cat([_per_block(weight.scales, weight.group, rows), *mins], dim=-1).contiguous()
     if activations == "int8":
         words = 8 if weight.kind == "int8" else 4  # 4-byte words of a row's block
@@ -168,6 +169,14 @@ def tile_weight(weight: QuantizedWeight, activations: str = "float32") -> Tiles 
     if weight.kind == "int5":  # a row's 16 nibble bytes, then its 4 bytes of high bits
         data = torch.cat((data, weight.qh.reshape(tiles, rows, blocks, 4)), dim=-1)
     return Tiles(data.transpose(1, 2).contiguous(), params, activations)
+
+
+def _symmetric(weight: QuantizedWeight) -> bool:
+    """int4 / int5 whose mins are -8 / -16 x its scales (GGUF's Q4_0, Q5_0; QUANT_SYMMETRIC int4):
+    its tiles hold the scales alone, the kernels make each min (the same number: a product by a
+    power of 2), and a block's bytes shrink by 4 a row (Q5_0: 28 to 24, against llama.cpp's 22)."""
+    lowest = {"int4": -8.0, "int5": -16.0}.get(weight.kind)
+    return lowest is not None and weight.mins is not None and torch.equal(weight.mins, weight.scales * lowest)
 
 
 def _high_bit_plane(weight: QuantizedWeight, tiles: int, rows: int, blocks: int) -> torch.Tensor:

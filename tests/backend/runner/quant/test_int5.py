@@ -154,3 +154,25 @@ def test_the_fused_decode_layer_takes_int5_linears(activations, tmp_path, monkey
     assert all(torch.equal(got, want) for got, want in zip(fused, plain, strict=True))
     first = _decode_logits(model, [[3, 1, 4, 1, 5]], steps=1)[0]  # finer weights: close to int4's logits
     assert 0 < (first - int4).abs().max().item() < 0.1 * int4.abs().max().item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("kind", ["int4", "int5"])
+def test_symmetric_tiles_hold_the_scales_alone_and_give_the_same_numbers(kind, activations, monkeypatch):
+    """Q4_0 / Q5_0 (mins -8 / -16 x the scales): tiles without mins, 4 bytes a row's block less;
+    the kernels make each min, bit for bit the numbers of the tiles that store them."""
+    weight = _weight(96, 256, q5_0=True)
+    if kind == "int4":
+        weight = quantize(dequantize(weight), "int4", 32, symmetric=True)
+    with_mins = tile_weight(weight, activations)
+    monkeypatch.setattr("backend.runner.quant.formats._symmetric", lambda w: False)
+    stored = tile_weight(weight, activations)
+    monkeypatch.undo()
+    assert with_mins.params.shape[-1] * 2 == stored.params.shape[-1]
+    x = torch.randn(5, 256)
+    for rows in (1, 5):
+        weight.tiles = with_mins
+        ours = quant_linear(x[:rows], weight)
+        weight.tiles = stored
+        assert torch.equal(ours, quant_linear(x[:rows], weight))
