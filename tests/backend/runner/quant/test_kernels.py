@@ -225,7 +225,8 @@ def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
     tiles = tile_weight(weight)
     block_bytes = 16 if kind == "int4" else 32
     assert tiles.data.shape == (8 // TILE, 256 // 32, TILE, block_bytes)
-    params = TILE if weight.mins is None else 2 * TILE  # symmetric int8: the scales alone
+    stored_mins = weight.mins is not None and not symmetric  # symmetric: the scales alone (int4: -8 x scale)
+    params = 2 * TILE if stored_mins else TILE
     assert tiles.params.shape == (8 // TILE, 256 // 32, params)
     for row in range(8):
         for block in range(256 // 32):
@@ -234,7 +235,7 @@ def test_tiles_hold_the_weights_four_rows_side_by_side(kind, group, symmetric):
             assert torch.equal(tiles.data[tile, block, t], want)
             group_index = block * 32 // group
             assert tiles.params[tile, block, t] == weight.scales[row, group_index]
-            if weight.mins is not None:
+            if stored_mins:
                 assert tiles.params[tile, block, TILE + t] == weight.mins[row, group_index]
     assert tile_weight(_weight(6, 256, kind, group, symmetric)) is None  # rows that make no whole tiles
 
