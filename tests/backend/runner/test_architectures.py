@@ -63,8 +63,8 @@ ARCHITECTURES = {
     "smollm3": ({**GQA, "no_rope_layer_interval": 2}, "transformers"),
     "gpt_neox": ({"rotary_pct": 0.25, "use_parallel_residual": True}, "transformers"),
     "starcoder2": ({**GQA, "sliding_window": WINDOW}, "transformers"),
-    "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "transformers"),
-    "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "transformers"),
+    "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "native"),
+    "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "native"),
     "gpt_oss": ({**GQA, **MOE, "sliding_window": WINDOW, "layer_types": SLIDING}, "transformers"),
 }
 PROMPT = [random.Random(1).randrange(3, VOCAB) for _ in range(40)]  # longer than the windows
