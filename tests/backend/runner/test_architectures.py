@@ -2,10 +2,10 @@
 brings"): tiny random-weight checkpoints built with transformers, greedy tokens equal to
 transformers' generate() (up to a near-tie of the reference's top two logits), alone and
 inside a busy batch with its prompt cut into prefill chunks, and each token's logprob within
-1e-3 of transformers' log-softmax. Our own forward takes Llama and Qwen3; the rest run on the
-generic path (backend/runner/models/transformers_lm.py): sliding windows interleaved with
+1e-3 of transformers' log-softmax. Our own forward takes Llama, Qwen3, Qwen3-MoE and Mixtral; the
+rest run on the generic path (backend/runner/models/transformers_lm.py): sliding windows interleaved with
 global layers, logit soft-capping, QK norm, attention sinks, NoPE layers, partial rotary,
-parallel residuals, Granite's multipliers and two mixtures of experts. Models that keep
+parallel residuals, Granite's multipliers and gpt-oss' experts. Models that keep
 state outside the KV cache, and encoders, are refused with the reason.
 """
 
