@@ -1,4 +1,4 @@
-"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3 files): the decoder's
+"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE files): the decoder's
 linears and the lm_head as the file stores them, each in its own block format
 (quant/gguf_formats.py; the parts of a fused q|k|v or gate|up in their common format), and the
 rest (norms, biases, the embedding table) as float32 under Hugging Face's names.
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend.runner.gguf_experts import expert_blocks, expert_floats, expert_linear_names, is_expert_tensor
 from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize, select_rows
 from backend.runner.quant.gguf_blocks import GgufTensor
 from backend.runner.quant.gguf_formats import common_format
@@ -31,6 +32,7 @@ _LAYER = {  # after blk.N. -> after model.layers.N.
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed layer's router (its experts: gguf_experts.py)
 }
 _IGNORED = ("rope_freqs.weight",)  # llama3's RoPE factors: our RoPE computes them from config.json
 # our fused linears: their parts, in row order
@@ -52,12 +54,17 @@ def block_linears(tensors: dict[str, GgufTensor], cfg: ModelConfig, permuted: bo
     """Our parameter name ("layers.3.qkv_t", "lm_head_t") -> its weights as the file's blocks;
     a linear with a float part (F16 ...) is left out (the caller quantizes it from floats)."""
     taken: dict[str, QuantizedWeight] = {}
+    routed = cfg.moe.layers if cfg.moe is not None else ()
     for layer in range(cfg.num_layers):
         for ours, names in LINEAR_PARTS.items():
+            if layer in routed and ours in ("gate_up_t", "down_t"):
+                continue  # experts instead: expert_blocks
             parts = [_oriented(tensors[f"blk.{layer}.{n}.weight"], cfg, permuted) for n in names]
             common = common_format(parts)
             if common is not None:
                 taken[f"layers.{layer}.{ours}"] = _concat(common)
+    if routed:
+        taken.update(expert_blocks(tensors, cfg))
     head = tensors.get("output.weight", tensors["token_embd.weight"])
     weight = head.weight()
     if isinstance(weight, QuantizedWeight):
@@ -72,6 +79,11 @@ def float_weights(
     quantized ones dequantized (what QUANT=none serves, or a linear left out of the blocks)."""
     for tensor in tensors.values():
         if tensor.name in _IGNORED:
+            continue
+        if is_expert_tensor(tensor.name):
+            weight = tensor.weight()
+            floats = dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
+            yield from ((name, w) for name, w in expert_floats(tensor, floats) if name not in skip)
             continue
         name = hf_name(tensor.name)
         if name in skip:
@@ -89,6 +101,9 @@ def linear_names(cfg: ModelConfig, taken: dict[str, QuantizedWeight]) -> set[str
     for key in taken:
         if key == "lm_head_t":
             names.add("lm_head.weight" if not cfg.tie_word_embeddings else "")
+            continue
+        if ".moe.experts." in key:
+            names.update(expert_linear_names(key))
             continue
         _, layer, ours = key.split(".")
         section = "self_attn" if ours in ("qkv_t", "o_proj_t") else "mlp"

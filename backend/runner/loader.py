@@ -60,11 +60,9 @@ def load_model(
 def _native_refusal(folder: Path) -> str | None:
     """Why our own forward does not take the folder's model (None: it does)."""
     try:
-        cfg = load_model_config(folder)
+        load_model_config(folder)
     except ValueError as e:
         return str(e)
-    if cfg.moe is not None and gguf_source(folder) is not None:
-        return "a mixture-of-experts GGUF file runs on the transformers path (our forward reads safetensors experts)"
     return None
 
 
