@@ -78,6 +78,9 @@ def read_adapter(path: str | Path, model: ModelConfig, max_rank: int, max_file_b
     """The adapter in `path`, checked against `model`; ContractError naming lora_path.
     `max_file_bytes`: MAX_LORA_FILE_BYTES (None: `largest_adapter_bytes`)."""
     folder = Path(path)
+    if model.moe is not None:  # the lanes (backend/lora/lanes.py) hold one gate_up and one down per layer
+        raise ContractError("lora_path", f"LoRA adapters are not served on mixture-of-experts models "
+                            f"({model.architecture}): a layer's MLP is {model.moe.num_experts} experts")  # fmt: skip
     config_bytes = _config_bytes(folder)
     try:
         config = json.loads(config_bytes)

@@ -1,4 +1,4 @@
-"""Filling our own forward from a GGUF file (MODEL=file.gguf on Llama, Mistral, Qwen2, Qwen3):
+"""Filling our own forward from a GGUF file (MODEL=file.gguf on Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE):
 QUANT=auto serves the decoder's linears and the lm_head in the file's own block formats (a
 linear the file keeps in floats stays float32); QUANT=none dequantizes them to float32
 (the float model llama.cpp's blocks stand for); QUANT=int8 / int4 quantize that float model."""

@@ -1,4 +1,4 @@
-"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3, Phi-3 files): the decoder's
+"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 files): the decoder's
 linears and the lm_head as the file stores them, each in its own block format
 (quant/gguf_formats.py; the parts of a fused q|k|v or gate|up in their common format), and the
 rest (norms, biases, the embedding table) as float32 under Hugging Face's names.
@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend.runner.gguf_experts import expert_blocks, expert_floats, expert_linear_names, is_expert_tensor
 from backend.runner.models.rope import qkv_order
 from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize, select_rows
 from backend.runner.quant.gguf_blocks import GgufTensor
@@ -34,6 +35,7 @@ _LAYER = {  # after blk.N. -> after model.layers.N.
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed layer's router (its experts: gguf_experts.py)
 }
 _FUSED_LAYER = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 # RoPE's factors (llama3's, Phi-3's longrope): our RoPE takes them from config.json
@@ -65,8 +67,11 @@ def block_linears(tensors: dict[str, GgufTensor], cfg: ModelConfig, permuted: bo
     a linear with a float part (F16 ...) is left out (the caller quantizes it from floats)."""
     taken: dict[str, QuantizedWeight] = {}
     rotary = qkv_order(cfg)
+    routed = cfg.moe.layers if cfg.moe is not None else ()
     for layer in range(cfg.num_layers):
         for ours, names in (FUSED_PARTS if _fused(cfg) else LINEAR_PARTS).items():
+            if layer in routed and ours in ("gate_up_t", "down_t"):
+                continue  # experts instead: expert_blocks
             parts = [_oriented(tensors[f"blk.{layer}.{n}.weight"], cfg, permuted) for n in names]
             common = common_format(parts)
             if common is not None:
@@ -74,6 +79,8 @@ def block_linears(tensors: dict[str, GgufTensor], cfg: ModelConfig, permuted: bo
                 taken[f"layers.{layer}.{ours}"] = (
                     weight if ours != "qkv_t" or rotary is None else select_rows(weight, rotary)
                 )
+    if routed:
+        taken.update(expert_blocks(tensors, cfg))
     head = tensors.get("output.weight", tensors["token_embd.weight"])
     weight = head.weight()
     if isinstance(weight, QuantizedWeight):
@@ -88,6 +95,11 @@ def float_weights(
     quantized ones dequantized (what QUANT=none serves, or a linear left out of the blocks)."""
     for tensor in tensors.values():
         if tensor.name in _IGNORED:
+            continue
+        if is_expert_tensor(tensor.name):
+            weight = tensor.weight()
+            floats = dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
+            yield from ((name, w) for name, w in expert_floats(tensor, floats) if name not in skip)
             continue
         name = hf_name(tensor.name, cfg)
         if name in skip:
@@ -107,6 +119,9 @@ def linear_names(cfg: ModelConfig, taken: dict[str, QuantizedWeight]) -> set[str
     for key in taken:
         if key == "lm_head_t":
             names.add("lm_head.weight" if not cfg.tie_word_embeddings else "")
+            continue
+        if ".moe.experts." in key:
+            names.update(expert_linear_names(key))
             continue
         _, layer, ours = key.split(".")
         section = "self_attn" if ours in ("qkv_t", "o_proj_t") else "mlp"

@@ -12,7 +12,7 @@ from typing import Any
 from backend.contract.vision import VisionInfo
 from backend.runner.models.m2m100 import ARCHITECTURE as M2M100_ARCHITECTURE
 from backend.runner.weights import eos_token_ids
-from backend.types.model_config import ModelConfig, RopeConfig
+from backend.types.model_config import ModelConfig, MoeConfig, RopeConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",  # a Qwen2 with M-RoPE plus a vision tower (visual.*)
     "Qwen2_5_VLForConditionalGeneration",
     "Phi3ForCausalLM",  # Phi-3 / 3.5 / 4 and Phi-4-mini: fused q|k|v and gate|up, longrope, partial rotary
+    "Qwen3MoeForCausalLM",  # Qwen3 with routed experts (backend/runner/models/moe.py)
+    "MixtralForCausalLM",  # Mistral with routed experts
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -33,10 +35,14 @@ _BY_MODEL_TYPE = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
 _VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
+# configs whose sliding_window, without layer_types, is every layer's (as transformers reads them)
+_EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _LONGROPE_NAMES = ("su", "yarn")  # Phi-3's older names of longrope (transformers' Phi3Config)
 
@@ -74,13 +80,14 @@ def load_model_config(path: str | Path, context: int | None = None) -> ModelConf
         tie_word_embeddings=bool(top.get("tie_word_embeddings", False) or raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         o_proj_bias=attention_bias and not qwen2,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_windows=_sliding_windows(raw, arch),
         eos_token_ids=eos_token_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
         num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
         mrope_section=_mrope_section(raw, arch),
         vision=_vision_info(top, arch),
+        moe=_moe_config(raw, arch),
     )
 
 
@@ -180,15 +187,31 @@ def _vision_info(top: dict[str, Any], arch: str) -> VisionInfo | None:
 def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     # Qwen configs carry a sliding_window that is off unless use_sliding_window is set.
-    if arch in (*_QWEN2_LIKE, "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    if arch in (*_QWEN2_LIKE, "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return ()
     num_layers = raw["num_hidden_layers"]
     layer_types = raw.get("layer_types")
-    if layer_types is None and arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer
+    if layer_types is None and arch in _EVERY_LAYER_WINDOWED:
         layer_types = ["sliding_attention"] * num_layers
     elif layer_types is None:
         first_sliding = raw.get("max_window_layers", num_layers)
         layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _moe_config(raw: dict[str, Any], arch: str) -> MoeConfig | None:
+    """The routed blocks of a Mixtral (every layer; top-k renormalized) or a Qwen3-MoE (every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`; renormalized where norm_topk_prob)."""
+    num_layers = raw["num_hidden_layers"]
+    # released Qwen3-MoE configs say num_experts; transformers 5 saves both families' as num_local_experts
+    experts = raw.get("num_local_experts", raw.get("num_experts", 0))
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], True, tuple(range(num_layers)))
+    if arch != "Qwen3MoeForCausalLM":
+        return None
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    top_k, norm = raw["num_experts_per_tok"], bool(raw.get("norm_topk_prob", False))
+    return MoeConfig(experts, top_k, raw["moe_intermediate_size"], norm, layers)

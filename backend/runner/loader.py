@@ -14,6 +14,7 @@ from backend.runner.gguf_model import gguf_source
 from backend.runner.hf_config import SUPPORTED_ARCHITECTURES, is_m2m100, load_model_config
 from backend.runner.models.llama import LlamaForCausalLM
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
+from backend.runner.models.moe import MoeForCausalLM
 from backend.runner.models.mtp import MtpHead
 from backend.runner.models.qwen2_5_vl_vision import Qwen2_5VisionEncoder
 from backend.runner.models.qwen2_vl_vision import Qwen2VisionEncoder, is_vision_weight, strip_vision_prefix
@@ -28,6 +29,8 @@ MODEL_IMPLS = ("auto", "native", "transformers")  # MODEL_IMPL: which forward ru
 _MTP_PREFIX = "model.mtp_layers."
 # transformers 5 saves a vision-language model's text weights under model.language_model.
 _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
+# our forwards other than LlamaForCausalLM, by architecture (_load_native)
+_NATIVE_CLASSES = {"Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM}
 
 
 def load_model(
@@ -112,7 +115,7 @@ def describe_model(path: str | Path, impl: str = "auto") -> str:
 
 def _load_native(folder: Path, dtype, device, quant: QuantSpec | None, context: int | None) -> LlamaForCausalLM:
     cfg = load_model_config(folder, context)
-    model = LlamaForCausalLM(cfg, dtype, device)
+    model = _NATIVE_CLASSES.get(cfg.architecture, LlamaForCausalLM)(cfg, dtype, device)
     source = gguf_source(folder)
     if source is not None:  # a GGUF file's prepared folder: the weights come from the file
         load_gguf_weights(model, source, _raw_model_type(folder), quant or QuantSpec(), device)

@@ -49,3 +49,17 @@ class ModelConfig:
     # Qwen2-VL's M-RoPE: frequency pairs per (t, h, w) row (backend/vision/mrope.py); empty: 1-D RoPE
     mrope_section: tuple[int, ...] = ()
     vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
+    # a mixture of experts' routed MLPs (backend/runner/models/moe.py); None: every layer dense
+    moe: MoeConfig | None = None
+
+
+@dataclass(slots=True)
+class MoeConfig:
+    """Qwen3-MoE's and Mixtral's routed MLP blocks: softmax over the router's logits, the top
+    `top_k` experts, their outputs weighted by those probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's; a dense layer's is ModelConfig.intermediate_size
+    norm_topk_prob: bool  # the top-k probabilities renormalized to sum to 1 (Mixtral: always)
+    layers: tuple[int, ...]  # the routed layers; the others are dense MLPs

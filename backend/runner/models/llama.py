@@ -78,9 +78,13 @@ class DecoderLayer(torch.nn.Module):
         self.o_proj_t = empty_param(cfg.num_heads * d, h, dtype=dtype, device=device)
         self.o_bias = empty_param(h, dtype=dtype, device=device) if cfg.o_proj_bias else None
         self.post_norm = empty_param(h, dtype=dtype, device=device)
-        self.gate_up_t = empty_param(h, 2 * cfg.intermediate_size, dtype=dtype, device=device)
-        self.down_t = empty_param(cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.init_mlp(cfg, dtype, device)
         self._decode_operands: list[torch.Tensor] | None = None  # `decode_operands`, once made
+
+    def init_mlp(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """The MLP's weights (a routed block's instead: backend/runner/models/moe.py)."""
+        self.gate_up_t = empty_param(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, device=device)
+        self.down_t = empty_param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
 
     def decode_operands(self) -> list[torch.Tensor] | None:
         """The weights `decode` passes to decode_layer (decode_layer.cpp's order), made once;
@@ -116,7 +120,9 @@ class DecoderLayer(torch.nn.Module):
     ):
         # x: [T, hidden]
         x = x + self._attention(rms_norm(x, self.input_norm, self.eps), rope, kv_cache, batch, plan)
-        h = rms_norm(x, self.post_norm, self.eps)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps), batch)
+
+    def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = linear(h, self.gate_up_t)
         if batch.lora is not None:
             add_lora(gate_up, h, batch.lora, self.index, GATE_UP)
@@ -124,7 +130,7 @@ class DecoderLayer(torch.nn.Module):
         down = linear(act, self.down_t)
         if batch.lora is not None:
             add_lora(down, act, batch.lora, self.index, DOWN)
-        return x + down
+        return down
 
     def _attention(
         self, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor | PagedKv, batch: ForwardBatch, plan: AttentionPlan
@@ -156,7 +162,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = cfg
-        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(self.make_layer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head_t = empty_param(cfg.hidden_size, cfg.vocab_size, dtype=dtype, device=device)
         # Tied: the embedding table is lm_head_t's [vocab, hidden] view, not a copy.
@@ -175,6 +181,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
         # a vision-language checkpoint's vision encoder (the loader's): (pixel_values, grids) -> embeds
         self.visual: torch.nn.Module | None = None
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
+        return DecoderLayer(cfg, index, dtype, device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:

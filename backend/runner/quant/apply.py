@@ -12,6 +12,7 @@ table stays float (one row read per token). MTP heads, draft models and vision t
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,18 +92,17 @@ def quantize_model(
     if gguf_file is not None:
         linear_type = gguf_type(spec.kind, spec.group, spec.symmetric)
         taken = read_gguf_weights(gguf_file, cfg.num_heads, cfg.num_kv_heads, linear_type)
-    for i, layer in enumerate(model.layers):
-        for attr in LINEARS:
-            param = getattr(layer, attr)
-            weight = taken.get(f"layers.{i}.{attr}")
-            if blocks is not None and weight is None:
-                continue  # a linear the GGUF file keeps in floats stays float
-            if weight is None or not _same_shape(weight, param):
-                weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
-            weight.tiles = _gemv_tiles(weight, multiplied_by)
-            weight.gemv_max_rows, weight.gemm_dtype = spec.gemv_max_rows, gemm_dtype
-            del layer._parameters[attr]  # the float weights go; the layer holds the quantized ones
-            setattr(layer, attr, weight)
+    for name, module, attr in decoder_linears(model):
+        param = getattr(module, attr)
+        weight = taken.get(name)
+        if blocks is not None and weight is None:
+            continue  # a linear the GGUF file keeps in floats stays float
+        if weight is None or not _same_shape(weight, param):
+            weight = quantize(param.t(), spec.kind, spec.group, spec.symmetric)
+        weight.tiles = _gemv_tiles(weight, multiplied_by)
+        weight.gemv_max_rows, weight.gemm_dtype = spec.gemv_max_rows, gemm_dtype
+        del module._parameters[attr]  # the float weights go; the module holds the quantized ones
+        setattr(module, attr, weight)
     head = taken.get("lm_head_t")
     if blocks is None and (head is None or not _same_shape(head, model.lm_head_t)):  # int8, as GGUF's Q8_0
         head = quantize(model.lm_head_t.t(), "int8", LM_HEAD_GROUP, True)
@@ -110,7 +110,7 @@ def quantize_model(
         head.tiles = _gemv_tiles(head, multiplied_by)
         head.gemv_max_rows, head.gemm_dtype = spec.gemv_max_rows, gemm_dtype
         model.lm_head_q = head
-    linears = [getattr(layer, a) for layer in model.layers for a in LINEARS]
+    linears = [getattr(module, attr) for _, module, attr in decoder_linears(model)]
     _tiles_on_huge_pages([w for w in (*linears, head) if isinstance(w, QuantizedWeight)])
     read = weight_bytes(model) / 1e6
     if blocks:
@@ -123,6 +123,15 @@ def quantize_model(
         f"QUANT={spec.kind} (groups of {spec.group}, {points}): {source}; {read:.0f} MB read per token", file=sys.stderr
     )
     return len(taken)
+
+
+def decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str]]:
+    """(name, module, attribute) of each decoder linear: a layer's `LINEARS`, and in a routed
+    layer (backend/runner/models/moe.py) each expert's gate|up and down, named
+    `layers.{i}.moe.experts.{e}.{attr}`; the router is not one (it stays float)."""
+    for i, layer in enumerate(model.layers):
+        for prefix, module in layer.named_modules(prefix=f"layers.{i}"):
+            yield from ((f"{prefix}.{a}", module, a) for a in LINEARS if hasattr(module, a))
 
 
 def _gemv_tiles(weight: QuantizedWeight, multiplied_by: str) -> Tiles | None:
@@ -148,8 +157,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: the decoder's linears and norms, and the
     lm_head in the format it runs in (the embedding table's single rows are left out)."""
     total = 0
-    for layer in model.layers:
+    for layer in model.layers:  # a routed layer: all its experts (a token reads top_k of them)
         total += sum(p.numel() * p.element_size() for p in layer.parameters())
-        total += sum(w.nbytes for w in vars(layer).values() if isinstance(w, QuantizedWeight))
+        total += sum(w.nbytes for m in layer.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight))
     head = getattr(model, "lm_head_q", None)
     return total + (head.nbytes if head is not None else model.lm_head_t.numel() * model.lm_head_t.element_size())

@@ -2,10 +2,10 @@
 brings"): tiny random-weight checkpoints built with transformers, greedy tokens equal to
 transformers' generate() (up to a near-tie of the reference's top two logits), alone and
 inside a busy batch with its prompt cut into prefill chunks, and each token's logprob within
-1e-3 of transformers' log-softmax. Our own forward takes Llama and Qwen3; the rest run on the
-generic path (backend/runner/models/transformers_lm.py): sliding windows interleaved with
+1e-3 of transformers' log-softmax. Our own forward takes Llama, Qwen3, Qwen3-MoE and Mixtral; the
+rest run on the generic path (backend/runner/models/transformers_lm.py): sliding windows interleaved with
 global layers, logit soft-capping, QK norm, attention sinks, NoPE layers, partial rotary,
-parallel residuals, Granite's multipliers and two mixtures of experts. Models that keep
+parallel residuals, Granite's multipliers and gpt-oss' experts. Models that keep
 state outside the KV cache, and encoders, are refused with the reason.
 """
 
@@ -63,8 +63,8 @@ ARCHITECTURES = {
     "smollm3": ({**GQA, "no_rope_layer_interval": 2}, "transformers"),
     "gpt_neox": ({"rotary_pct": 0.25, "use_parallel_residual": True}, "transformers"),
     "starcoder2": ({**GQA, "sliding_window": WINDOW}, "transformers"),
-    "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "transformers"),
-    "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "transformers"),
+    "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "native"),
+    "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "native"),
     "gpt_oss": ({**GQA, **MOE, "sliding_window": WINDOW, "layer_types": SLIDING}, "transformers"),
 }
 PROMPT = [random.Random(1).randrange(3, VOCAB) for _ in range(40)]  # longer than the windows

@@ -1,0 +1,110 @@
+"""A Qwen3-MoE GGUF file on our own forward (backend/runner/gguf_experts.py): llama.cpp's 3-D
+expert tensors served per expert from the file's own blocks (QUANT=auto, float32 activations:
+the exact mode) and dequantized (QUANT=none), each giving the greedy tokens transformers gives
+on the model it loads from the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from backend.contract import GenerationRequest, SamplingParams
+from backend.core.engine import LLMEngine
+from backend.runner import gguf_model
+from backend.runner.models.moe import MoeDecoderLayer
+from backend.runner.quant.formats import QuantizedWeight
+from backend.settings.engine import EngineConfig
+from tests.helpers.engine_runs import run_to_completion
+from tests.helpers.gguf_files import VOCAB, blocks, tokenizer_fields
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EXPERT_FFN = 256, 4, 2, 64, 4, 2, 256
+# each layer's experts: (gate and up, down) block types
+LAYERS = [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K")]
+PROMPT = [504, 3458, 282, 260, 1345, 7055, 30, 378, 314, 1564, 1148, 47, 216, 1085, 5345, 28]
+NEW_TOKENS = 12
+
+
+def write_qwen3_moe(path, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, "qwen3moe")
+    for add, value in ((writer.add_block_count, len(LAYERS)), (writer.add_context_length, 2048),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, 512),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_key_length, HEAD_DIM), (writer.add_value_length, HEAD_DIM),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_expert_count, EXPERTS), (writer.add_expert_used_count, TOP_K),
+                       (writer.add_expert_feed_forward_length, EXPERT_FFN)):  # fmt: skip
+        add(value)
+    for key, value, kind, item in tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub_type=item)
+
+    def tensor(name: str, type_name: str, *shape: int) -> None:
+        if type_name == "norm":
+            writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32))
+            return
+        rows = int(np.prod(shape[:-1]))
+        data = blocks(type_name, rows, shape[-1], rng).reshape(*shape[:-1], -1)
+        raw = None if type_name == "F32" else GGMLQuantizationType[type_name]
+        writer.add_tensor(name, data, raw_dtype=raw)
+
+    tensor("token_embd.weight", "Q8_0", VOCAB, HIDDEN)
+    tensor("output_norm.weight", "norm", HIDDEN)
+    tensor("output.weight", "Q8_0", VOCAB, HIDDEN)
+    for i, (gate_up, down) in enumerate(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensor(f"blk.{i}.{norm}.weight", "norm", HIDDEN)
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            tensor(f"blk.{i}.{norm}.weight", "norm", HEAD_DIM)
+        for name, rows in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+            tensor(f"blk.{i}.{name}.weight", "Q8_0", rows * HEAD_DIM, HIDDEN)
+        tensor(f"blk.{i}.attn_output.weight", "Q8_0", HIDDEN, HEADS * HEAD_DIM)
+        tensor(f"blk.{i}.ffn_gate_inp.weight", "F32", EXPERTS, HIDDEN)
+        tensor(f"blk.{i}.ffn_gate_exps.weight", gate_up, EXPERTS, EXPERT_FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up_exps.weight", gate_up, EXPERTS, EXPERT_FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down_exps.weight", down, EXPERTS, HIDDEN, EXPERT_FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_model, "cache_dir", lambda: cache)
+        path = write_qwen3_moe(tmp_path_factory.mktemp("qwen3moe") / "tiny-qwen3moe.gguf")
+        # transformers' GGUF reader misses the experts' width: the prepared folder's config has it
+        config = AutoConfig.from_pretrained(gguf_model.model_folder(path))
+        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                         dtype=torch.float32)  # fmt: skip
+        with torch.no_grad():
+            out = reference.eval().generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                            min_new_tokens=NEW_TOKENS, output_logits=True,
+                                            return_dict_in_generate=True)  # fmt: skip
+        yield path, out.sequences[0, len(PROMPT) :].tolist(), torch.cat(out.logits).float()
+
+
+@pytest.mark.parametrize("quant", ["auto", "none"])
+def test_a_qwen3_moe_file_gives_transformers_greedy_tokens(gguf, quant):
+    path, ref, logits = gguf
+    eng = LLMEngine(EngineConfig(model_path=str(path), quant=quant, quant_activations="float32", max_loras=0,
+                                 speculative="off"))  # fmt: skip
+    assert eng.runner.native
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens, _ = run_to_completion(eng, {"r": GenerationRequest(prompt_tokens=PROMPT, sampling=sampling)})
+    for i, (a, b) in enumerate(zip(tokens["r"], ref, strict=True)):
+        if a != b:  # only where the reference's top two logits nearly tie
+            top = logits[i].topk(2).values
+            assert float(top[0] - top[1]) < 1e-3 * max(1.0, float(top[0].abs())), (quant, i, tokens, ref)
+            break
+    layer = eng.runner.model.layers[1]
+    assert isinstance(layer, MoeDecoderLayer)
+    expert = layer.moe.experts[3]
+    assert isinstance(expert.gate_up_t, QuantizedWeight) == (quant == "auto")
+    if quant == "auto":  # Q4_K gate | up as int4, Q6_K down as int8 groups of 16: the file's blocks
+        assert (expert.gate_up_t.kind, expert.down_t.kind, expert.down_t.group) == ("int4", "int8", 16)
