@@ -12,6 +12,8 @@ from backend.runner.convert import source_gguf
 from backend.runner.gguf_load import load_gguf_weights
 from backend.runner.gguf_model import gguf_source
 from backend.runner.hf_config import SUPPORTED_ARCHITECTURES, is_m2m100, load_model_config
+from backend.runner.models.gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
+from backend.runner.models.gemma import GemmaForCausalLM
 from backend.runner.models.llama import LlamaForCausalLM
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.mtp import MtpHead
@@ -57,9 +59,11 @@ def load_model(
 def _native_refusal(folder: Path) -> str | None:
     """Why our own forward does not take the folder's model (None: it does)."""
     try:
-        load_model_config(folder)
+        cfg = load_model_config(folder)
     except ValueError as e:
         return str(e)
+    if cfg.architecture in GEMMA_ARCHITECTURES and gguf_source(folder) is not None:
+        return f"our {cfg.architecture} reads safetensors checkpoints, not GGUF files (whose norms hold 1 + w)"
     return None
 
 
@@ -109,7 +113,7 @@ def describe_model(path: str | Path, impl: str = "auto") -> str:
 
 def _load_native(folder: Path, dtype, device, quant: QuantSpec | None) -> LlamaForCausalLM:
     cfg = load_model_config(folder)
-    model = LlamaForCausalLM(cfg, dtype, device)
+    model = (GemmaForCausalLM if cfg.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM)(cfg, dtype, device)
     source = gguf_source(folder)
     if source is not None:  # a GGUF file's prepared folder: the weights come from the file
         load_gguf_weights(model, source, _raw_model_type(folder), quant or QuantSpec(), device)

@@ -44,3 +44,8 @@ class ModelConfig:
     # Qwen2-VL's M-RoPE: frequency pairs per (t, h, w) row (backend/vision/mrope.py); empty: 1-D RoPE
     mrope_section: tuple[int, ...] = ()
     vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
+    # Gemma 2 / 3 (backend/runner/models/gemma.py); other architectures keep the defaults
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcapping: float = 0.0  # > 0: attention scores soft-capped (Gemma 2); 0: off
+    final_logit_softcapping: float = 0.0  # > 0: logits soft-capped; 0: off
+    local_rope: RopeConfig | None = None  # the sliding-window layers' RoPE (Gemma 3); None: `rope`

@@ -1,4 +1,5 @@
-"""RoPE's inverse frequencies as transformers computes them: default, linear and Llama 3.1's."""
+"""RoPE's inverse frequencies as transformers computes them (default, linear and Llama 3.1's),
+and the cos / sin table the models read their rows from."""
 
 from __future__ import annotations
 
@@ -32,3 +33,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: in
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+class RopeTable:
+    """cos, sin rows [T, 1, D] of one set of inverse frequencies, from a table kept across
+    steps and grown as positions do."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(
+        self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at `positions` (the largest, when the caller knows it: `max_position`)."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        kept = self._kept
+        if kept is None or kept[0] != dtype or kept[1].shape[0] <= max_position:
+            # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
+            size = max(1 << max_position.bit_length(), 256)
+            freqs = torch.arange(size, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()  # [size, D/2]
+            # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]: the sign goes into sin.
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+            self._kept = kept = (dtype, cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
+        return kept[1].index_select(0, positions), kept[2].index_select(0, positions)
