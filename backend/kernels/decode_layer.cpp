@@ -36,7 +36,7 @@ enum Operand { kInputNorm, kQkv, kQkvParams, kQkvBias, kO, kOParams, kOBias, kPo
 
 // RoPE in place on the first `heads` heads of each row of qkv [T, width]: rotate_half's sign
 // is in sin (llama.py `rotary`), its roll by D / 2 the swap of the halves: v = h * cos +
-// swap(h) * sin, 16 lanes at a time (D is 32, 64 or 128: the paged kernel's sizes), each a
+// swap(h) * sin, 16 lanes at a time (D is 32, 64, 128 or 256: the paged kernel's sizes), each a
 // product, then a sum, as the scalar form under -ffp-contract=off.
 void rope(float* qkv, int64_t T, int64_t width, int64_t heads, int64_t D, const float* cos, const float* sin) {
   TORCH_CHECK(D % 32 == 0, "rope: head_dim a multiple of 32");

@@ -58,7 +58,7 @@ def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> 
     return True
 
 
-PAGED_HEAD_DIMS = (32, 64, 128)  # the head sizes paged_attention_rows (and decode_layer) take
+PAGED_HEAD_DIMS = (32, 64, 128, 256)  # the head sizes paged_attention_rows (and decode_layer) take
 KV_KERNEL_DTYPES = (torch.float32, torch.float16)  # the caches they read (KV_CACHE_DTYPE)
 
 

@@ -265,7 +265,7 @@ void weigh_values(const Query* qs, const float* sc, int64_t p0, int64_t p1, cons
 
 template <int DV, class T>
 void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1, const Span& s) {
-  constexpr int kGroup = DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
+  constexpr int kGroup = DV >= 16 ? 1 : DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
   for (int i = 0; i < n; i += kGroup) {
     const Query* q = qs + i;
     const float* w = sc + i * kScoreRow;
@@ -378,6 +378,7 @@ void attend_unit(const Rows& a, const Plan& p, const Plan::Unit& u, const T* kp,
     if (a.D == 32) run_group<2, T>(g, group, base, a.scale, a.softcap, widen, s);
     if (a.D == 64) run_group<4, T>(g, group, base, a.scale, a.softcap, widen, s);
     if (a.D == 128) run_group<8, T>(g, group, base, a.scale, a.softcap, widen, s);
+    if (a.D == 256) run_group<16, T>(g, group, base, a.scale, a.softcap, widen, s);  // Gemma 2 / 3
   }
 }
 
@@ -436,7 +437,7 @@ void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
 // (lo = 0, or len[r] - window with a sliding window), read in place through block table
 // tables[seq[r]]: no gather into a padded copy, no mask. keys, values: [num_slots, KV, D]
 // (a layer's flat slot views, float32 or float16); tables [S, max_blocks], seq and lens [N]
-// int64. head_dim 32, 64 or 128. softcap > 0: scores soft-capped (cap_scores); 0: off.
+// int64. head_dim 32, 64, 128 or 256. softcap > 0: scores soft-capped (cap_scores); 0: off.
 // -> [N, H, D] float32.
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
@@ -449,8 +450,8 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::T
   const auto i64 = torch::kInt64;
   TORCH_CHECK(block_tables.scalar_type() == i64 && seq.scalar_type() == i64 && lens.scalar_type() == i64, "int64");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
-  TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && keys.size(2) == D,
-              "head_dim 32, 64 or 128; H a multiple of KV");
+  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % KV == 0 && keys.size(2) == D,
+              "head_dim 32, 64, 128 or 256; H a multiple of KV");
   TORCH_CHECK(block_tables.dim() == 2 && seq.numel() == N && lens.numel() == N, "one seq and len a row");
   TORCH_CHECK(softcap >= 0, "softcap 0 (off) or positive");
   auto tables = block_tables.contiguous(), seqs = seq.contiguous(), lengths = lens.contiguous();

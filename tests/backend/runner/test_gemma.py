@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from backend import kernels
 from backend.contract import GenerationRequest, SamplingParams
 from backend.core.engine import LLMEngine
 from backend.lora.batch import LoraBatch
@@ -107,6 +108,26 @@ def test_lora_logits_equal_peft_within_1e_4(tmp_path, model_type):
         base_logits = reference(torch.tensor([PROMPT]), adapter_names=["__base__"]).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
     assert (theirs - base_logits).abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_head_dim_256_logits_equal_transformers_within_1e_4(tmp_path, model_type):
+    """Released Gemma 2 / 3 checkpoints have 256-wide heads: our paged kernel takes them (every
+    prompt row through paged_attention_rows, soft-capped for Gemma 2)."""
+    model = _write(tmp_path, model_type, head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                   attn_logit_softcapping=1.0, final_logit_softcapping=5.0)  # fmt: skip
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), num_blocks=32, max_loras=0, speculative="off",
+                                    quant="none"))  # fmt: skip
+    runner = engine.runner
+    kv = allocate_kv(runner.model_config, runner.model_config.num_layers, 8, 16, torch.float32, runner.device)
+    batch = build_forward_batch([Span(PROMPT, 0, [0, 1], len(PROMPT))], 16, runner.device)
+    assert kernels.native() is None or kernels.paged_attention_rows(
+        torch.zeros(1, 2, 256), (kv[0][0].view(-1, 1, 256), kv[0][1].view(-1, 1, 256)), batch.block_tables.long(),
+        torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 16, 1.0, None) is not None  # fmt: skip
+    ours = runner.model.compute_logits(runner.model(batch, kv))
+    with torch.inference_mode():
+        theirs = model(torch.tensor([PROMPT])).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-4
 
 
 def _greedy(prompt: list[int], max_tokens: int = 12) -> GenerationRequest:

@@ -46,7 +46,7 @@ def _step(dtype, dim, heads=9, kv_heads=3):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("window", [None, 100])
 def test_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
     q, kv, tables, seq, lens = _step(dtype, dim)
@@ -72,7 +72,7 @@ def test_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dim", [32, 128])
+@pytest.mark.parametrize("dim", [32, 256])
 @pytest.mark.parametrize("window", [None, 100])
 def test_soft_capped_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
     """Gemma 2's soft-capping, softcap * tanh(score / softcap) before the softmax: a cap that
