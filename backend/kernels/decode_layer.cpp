@@ -26,7 +26,7 @@ void tiled_matmul_a8_add(torch::Tensor y, torch::Tensor x, torch::Tensor data, t
                          torch::Tensor bias);
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
-                                   int64_t block_size, double scale, int64_t window);
+                                   int64_t block_size, double scale, int64_t window, double softcap);
 
 namespace {
 
@@ -36,7 +36,7 @@ enum Operand { kInputNorm, kQkv, kQkvParams, kQkvBias, kO, kOParams, kOBias, kPo
 
 // RoPE in place on the first `heads` heads of each row of qkv [T, width]: rotate_half's sign
 // is in sin (llama.py `rotary`), its roll by D / 2 the swap of the halves: v = h * cos +
-// swap(h) * sin, 16 lanes at a time (D is 32, 64 or 128: the paged kernel's sizes), each a
+// swap(h) * sin, 16 lanes at a time (D is 32, 64, 128 or 256: the paged kernel's sizes), each a
 // product, then a sum, as the scalar form under -ffp-contract=off.
 void rope(float* qkv, int64_t T, int64_t width, int64_t heads, int64_t D, const float* cos, const float* sin) {
   TORCH_CHECK(D % 32 == 0, "rope: head_dim a multiple of 32");
@@ -151,7 +151,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, 
     store_kv(values, sp[t] * KV * D, row + (H + KV) * D, KV * D);
   }
   torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
-  torch::Tensor attn = paged_attention_rows(q, keys, values, tables, seq, lens, block_size, scale, window);
+  torch::Tensor attn = paged_attention_rows(q, keys, values, tables, seq, lens, block_size, scale, window, 0.0);
   residual(attn.view({T, H * D}), kO, weights[kOBias]);
   torch::Tensor gate_up = linear(rms_norm(x, weights[kPostNorm], eps), kGateUp, torch::Tensor());
   residual(silu_mul(gate_up), kDown, torch::Tensor());

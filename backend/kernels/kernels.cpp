@@ -343,7 +343,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // paged_attention.cpp
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
-                                   int64_t block_size, double scale, int64_t window);
+                                   int64_t block_size, double scale, int64_t window, double softcap);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);

@@ -58,7 +58,7 @@ def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> 
     return True
 
 
-PAGED_HEAD_DIMS = (32, 64, 128)  # the head sizes paged_attention_rows (and decode_layer) take
+PAGED_HEAD_DIMS = (32, 64, 128, 256)  # the head sizes paged_attention_rows (and decode_layer) take
 KV_KERNEL_DTYPES = (torch.float32, torch.float16)  # the caches they read (KV_CACHE_DTYPE)
 
 
@@ -80,15 +80,19 @@ def paged_decode_attention(
 
 def paged_attention_rows(
     q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, seq: torch.Tensor,
-    lens: torch.Tensor, block_size: int, scale: float, window: int | None,
+    lens: torch.Tensor, block_size: int, scale: float, window: int | None, softcap: float = 0.0,
 ) -> torch.Tensor | None:  # fmt: skip
     """Each query row of q [N, H, D] over its sequence's cached keys / values (kv: the layer's
     flat slot views [num_slots, KV, D] each), read through block table tables[seq[r]] up to
     lens[r] positions (its last `window`, with a sliding window): [N, H, D], each row's numbers
-    its own whatever the other rows (paged_attention.cpp); None where our kernel cannot run."""
+    its own whatever the other rows (paged_attention.cpp); `softcap` > 0: each score becomes
+    softcap * tanh(score / softcap) before the softmax (Gemma 2), 0: off. None where our kernel
+    cannot run."""
     keys, values = kv
     usable = q.is_cpu and q.dtype == torch.float32 and keys.dtype in KV_KERNEL_DTYPES and q.shape[-1] in PAGED_HEAD_DIMS
     lib = native() if usable and keys.is_contiguous() and values.is_contiguous() else None
     if lib is None:
         return None
-    return lib.paged_attention_rows(q.contiguous(), keys, values, tables, seq, lens, block_size, scale, window or 0)
+    return lib.paged_attention_rows(
+        q.contiguous(), keys, values, tables, seq, lens, block_size, scale, window or 0, softcap
+    )

@@ -42,6 +42,7 @@ struct Rows {  // the operands, as pointers
   const int64_t* len;      // [N]: positions [lo, len) seen
   int64_t N, H, KV, D, max_blocks, block_size, window;
   float scale;
+  float softcap;  // > 0: each score becomes softcap * tanh(score / softcap) (Gemma 2); 0: off
 };
 
 inline int64_t first_seen(const Rows& a, int64_t r) {
@@ -208,6 +209,15 @@ void scores_chunks(const Query* qs, int n, int64_t base, float scale, Span& s) {
   }
 }
 
+// Soft-capping (Gemma 2's attention): a query's seen scores become cap * tanh(score / cap), each
+// on its own (its unseen positions stay -inf), so a row's numbers stay its own.
+void cap_scores(float* sc, const Query& q, int64_t base, float cap) {
+  const int64_t q0 = (q.from - base) / 16 * 16, q1 = (q.to - base + 15) / 16 * 16;
+  for (int64_t p = q0; p < q1; ++p) {
+    if (sc[p] != -INFINITY) sc[p] = cap * std::tanh(sc[p] / cap);
+  }
+}
+
 // A query's scores (row i of the unit's scores) -> exp(score - top), 0 outside its positions,
 // over chunks c0 .. c1; its top and sum of numerators into the query's partial.
 void numerators(float* sc, const Query& q, int64_t base, int64_t c0, int64_t c1) {
@@ -255,7 +265,7 @@ void weigh_values(const Query* qs, const float* sc, int64_t p0, int64_t p1, cons
 
 template <int DV, class T>
 void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1, const Span& s) {
-  constexpr int kGroup = DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
+  constexpr int kGroup = DV >= 16 ? 1 : DV >= 8 ? 2 : DV >= 4 ? 4 : 8;  // accumulators in registers: 16 of 32
   for (int i = 0; i < n; i += kGroup) {
     const Query* q = qs + i;
     const float* w = sc + i * kScoreRow;
@@ -275,7 +285,7 @@ void weigh_group(const Query* qs, int n, const float* sc, int64_t p0, int64_t p1
 // Queries qs[0..n) (n <= kScoreGroup) of one unit, the span loaded (its rows T; `widened`:
 // float copies, read by the chunked loop): their partials.
 template <int DV, class T>
-void attend_group(const Query* qs, int n, int64_t base, float scale, bool widened, Span& s) {
+void attend_group(const Query* qs, int n, int64_t base, float scale, float softcap, bool widened, Span& s) {
   int64_t p0 = qs[0].from, p1 = qs[0].to;
   for (int i = 1; i < n; ++i) p0 = std::min(p0, qs[i].from), p1 = std::max(p1, qs[i].to);
   const int64_t c0 = (p0 - base) / 16 * 16, c1 = (p1 - base + 15) / 16 * 16;
@@ -284,17 +294,20 @@ void attend_group(const Query* qs, int n, int64_t base, float scale, bool widene
   } else {
     scores_rows<DV, T>(qs, n, base, p0 - base, p1 - base, scale, s);
   }
+  if (softcap > 0.f) {
+    for (int i = 0; i < n; ++i) cap_scores(s.scores.data() + i * kScoreRow, qs[i], base, softcap);
+  }
   for (int i = 0; i < n; ++i) numerators(s.scores.data() + i * kScoreRow, qs[i], base, c0, c1);
   weigh_group<DV, T>(qs, n, s.scores.data(), p0 - base, p1 - base, s);
 }
 
 // A group on the rows as loaded: widened (or a float32 cache's) floats, or the cache's T.
 template <int DV, class T>
-void run_group(const Query* qs, int n, int64_t base, float scale, bool widened, Span& s) {
+void run_group(const Query* qs, int n, int64_t base, float scale, float softcap, bool widened, Span& s) {
   if (widened) {
-    attend_group<DV, float>(qs, n, base, scale, true, s);
+    attend_group<DV, float>(qs, n, base, scale, softcap, true, s);
   } else {
-    attend_group<DV, T>(qs, n, base, scale, false, s);
+    attend_group<DV, T>(qs, n, base, scale, softcap, false, s);
   }
 }
 
@@ -362,9 +375,10 @@ void attend_unit(const Rows& a, const Plan& p, const Plan::Unit& u, const T* kp,
   for (int64_t i = 0; i < n; i += kScoreGroup) {
     const int group = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i));
     const Query* g = qs.data() + i;
-    if (a.D == 32) run_group<2, T>(g, group, base, a.scale, widen, s);
-    if (a.D == 64) run_group<4, T>(g, group, base, a.scale, widen, s);
-    if (a.D == 128) run_group<8, T>(g, group, base, a.scale, widen, s);
+    if (a.D == 32) run_group<2, T>(g, group, base, a.scale, a.softcap, widen, s);
+    if (a.D == 64) run_group<4, T>(g, group, base, a.scale, a.softcap, widen, s);
+    if (a.D == 128) run_group<8, T>(g, group, base, a.scale, a.softcap, widen, s);
+    if (a.D == 256) run_group<16, T>(g, group, base, a.scale, a.softcap, widen, s);  // Gemma 2 / 3
   }
 }
 
@@ -423,10 +437,11 @@ void attend_rows(const Rows& a, const T* kp, const T* vp, float* out) {
 // (lo = 0, or len[r] - window with a sliding window), read in place through block table
 // tables[seq[r]]: no gather into a padded copy, no mask. keys, values: [num_slots, KV, D]
 // (a layer's flat slot views, float32 or float16); tables [S, max_blocks], seq and lens [N]
-// int64. head_dim 32, 64 or 128. -> [N, H, D] float32.
+// int64. head_dim 32, 64, 128 or 256. softcap > 0: scores soft-capped (cap_scores); 0: off.
+// -> [N, H, D] float32.
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor block_tables, torch::Tensor seq, torch::Tensor lens,
-                                   int64_t block_size, double scale, int64_t window) {
+                                   int64_t block_size, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "q [N, H, D]; keys [S, KV, D]");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous operands");
   const bool half = keys.scalar_type() == torch::kFloat16;
@@ -435,9 +450,10 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::T
   const auto i64 = torch::kInt64;
   TORCH_CHECK(block_tables.scalar_type() == i64 && seq.scalar_type() == i64 && lens.scalar_type() == i64, "int64");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
-  TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && keys.size(2) == D,
-              "head_dim 32, 64 or 128; H a multiple of KV");
+  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % KV == 0 && keys.size(2) == D,
+              "head_dim 32, 64, 128 or 256; H a multiple of KV");
   TORCH_CHECK(block_tables.dim() == 2 && seq.numel() == N && lens.numel() == N, "one seq and len a row");
+  TORCH_CHECK(softcap >= 0, "softcap 0 (off) or positive");
   auto tables = block_tables.contiguous(), seqs = seq.contiguous(), lengths = lens.contiguous();
   const int64_t max_blocks = tables.size(1), num_slots = keys.size(0), S = tables.size(0);
   const int64_t *tp = tables.data_ptr<int64_t>(), *sp = seqs.data_ptr<int64_t>(), *lp = lengths.data_ptr<int64_t>();
@@ -451,7 +467,7 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor keys, torch::T
   }
   torch::Tensor out = torch::empty_like(q);
   const Rows rows{q.data_ptr<float>(), tp, sp, lp, N, H, KV, D, max_blocks, block_size, window,
-                  static_cast<float>(scale)};
+                  static_cast<float>(scale), static_cast<float>(softcap)};
   if (half) {
     attend_rows(rows, static_cast<const uint16_t*>(keys.data_ptr()), static_cast<const uint16_t*>(values.data_ptr()),
                 out.data_ptr<float>());
@@ -467,5 +483,5 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor keys, torch:
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window) {
   const auto seq = torch::arange(q.size(0), context_lens.options().dtype(torch::kInt64));
-  return paged_attention_rows(q, keys, values, block_tables, seq, context_lens, block_size, scale, window);
+  return paged_attention_rows(q, keys, values, block_tables, seq, context_lens, block_size, scale, window, 0.0);
 }

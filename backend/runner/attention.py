@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import paged_attention_rows
+from backend.runner.eager_attention import eager_attention
 from backend.runner.forward_batch import ForwardBatch
 
 
@@ -91,6 +92,7 @@ class AttentionPlan:
     decode: list[DecodeRows]  # one per short query length present
     prefills: list[PrefillChunk]
     rows: QueryRows | None = None  # on the CPU: the kernel's operands, which every row then takes
+    window: int | None = None  # the sliding window it was built for
 
 
 MAX_SHORT_QUERY = 16  # query tokens up to which a sequence joins the batched decode call
@@ -116,7 +118,7 @@ def build_attention_plan(
         for i, n in enumerate(batch.query_lens)
         if n > MAX_SHORT_QUERY
     ]
-    return AttentionPlan(decode, prefills, _query_rows(batch, sliding_window))
+    return AttentionPlan(decode, prefills, _query_rows(batch, sliding_window), sliding_window)
 
 
 def _query_rows(batch: ForwardBatch, sliding_window: int | None) -> QueryRows | None:
@@ -225,12 +227,15 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     plan: AttentionPlan | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write the new k/v at batch.slot_mapping, then attend; returns [T, num_heads, head_dim].
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
     `kv_cache`: the layer's cache, or its `paged_kv` views (kept by the caller across steps).
     `plan` is build_attention_plan(batch, ...) shared by the layers; built here when absent.
+    `softcap` > 0: scores soft-capped, softcap * tanh(score / softcap) (Gemma 2): our kernel,
+    else eager_attention (SDPA does not take it); 0: off.
     """
     kv = kv_cache if isinstance(kv_cache, PagedKv) else paged_kv(kv_cache)
     if plan is None:
@@ -239,9 +244,11 @@ def paged_attention(
     if plan.rows is not None:
         rows = plan.rows
         out = paged_attention_rows(q, (kv.keys, kv.values), rows.tables, rows.seq, rows.lens, kv.cache.shape[2],
-                                   scale, rows.window)  # fmt: skip
+                                   scale, rows.window, softcap)  # fmt: skip
         if out is not None:
             return out
+    if softcap:
+        return eager_attention(q, kv, batch, scale, plan.window, softcap)
     if len(plan.decode) == 1 and plan.decode[0].token_rows is None:
         return _decode_attention(q, kv, plan.decode[0], scale)
     out = torch.empty_like(q)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",  # Phi-3 / 3.5 / 4 and Phi-4-mini: fused q|k|v and gate|up, longrope, partial rotary
     "Qwen3MoeForCausalLM",  # Qwen3 with routed experts (backend/runner/models/moe.py)
     "MixtralForCausalLM",  # Mistral with routed experts
+    "Gemma2ForCausalLM",  # backend/runner/models/gemma.py
+    "Gemma3ForCausalLM",  # Gemma 3's text model
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -37,6 +40,8 @@ _BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
 _VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
@@ -45,6 +50,7 @@ _QWEN2_LIKE = ("Qwen2ForCausalLM", "MiMoForCausalLM", *_VISION_FAMILIES)
 _EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _LONGROPE_NAMES = ("su", "yarn")  # Phi-3's older names of longrope (transformers' Phi3Config)
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def load_model_config(path: str | Path, context: int | None = None) -> ModelConfig:
@@ -64,7 +70,7 @@ def load_model_config(path: str | Path, context: int | None = None) -> ModelConf
     # `attention_bias` on all four projections.
     qwen2 = model_type in ("qwen2", "mimo") or arch in _QWEN2_LIKE
     attention_bias = qwen2 or bool(raw.get("attention_bias", False))
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -89,6 +95,7 @@ def load_model_config(path: str | Path, context: int | None = None) -> ModelConf
         vision=_vision_info(top, arch),
         moe=_moe_config(raw, arch),
     )
+    return replace(config, **_gemma_fields(raw, arch))
 
 
 def is_m2m100(path: str | Path) -> bool:
@@ -105,15 +112,20 @@ def _architecture(raw: dict[str, Any]) -> str:
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
-        raise ValueError(f"unsupported {arch} variant: hidden_act={raw.get('hidden_act')}, mlp_bias")
+    # Gemma names its activation hidden_activation (GeGLU's gelu, tanh approximation)
+    act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if arch in _GEMMA else ("hidden_act", "silu")
+    if raw.get(act_key, act) != act or raw.get("mlp_bias", False):
+        raise ValueError(f"unsupported {arch} variant: {act_key}={raw.get(act_key)}, mlp_bias")
     return arch
 
 
-def _rope_config(raw: dict[str, Any], arch: str, context: int | None) -> RopeConfig:
+def _rope_config(
+    raw: dict[str, Any], arch: str, context: int | None = None, params: dict[str, Any] | None = None
+) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta included); older configs have
     # top-level `rope_theta` and an optional `rope_scaling` using "type" or "rope_type".
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if params is None:
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "mrope" and arch in _VISION_FAMILIES:  # Qwen2-VL's older name: default frequencies
         rope_type = "default"
@@ -195,6 +207,9 @@ def _sliding_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
     layer_types = raw.get("layer_types")
     if layer_types is None and arch in _EVERY_LAYER_WINDOWED:
         layer_types = ["sliding_attention"] * num_layers
+    elif layer_types is None and arch in _GEMMA:  # older configs: every Nth layer global
+        every = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern", 6)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers)]
     elif layer_types is None:
         first_sliding = raw.get("max_window_layers", num_layers)
         layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
@@ -215,3 +230,29 @@ def _moe_config(raw: dict[str, Any], arch: str) -> MoeConfig | None:
     layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
     top_k, norm = raw["num_experts_per_tok"], bool(raw.get("norm_topk_prob", False))
     return MoeConfig(experts, top_k, raw["moe_intermediate_size"], norm, layers)
+
+
+def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 2 / 3's settings as ModelConfig fields, with transformers' defaults for what a
+    config leaves out; {} for other architectures."""
+    if arch not in _GEMMA:
+        return {}
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"unsupported {arch} variant: use_bidirectional_attention (an embedding model)")
+    fields = {
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
+        "qk_norm": gemma3,
+        "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        # Gemma 3's attention takes no soft-capping (transformers passes none), its logits may
+        "attn_logit_softcapping": 0.0 if gemma3 else float(raw.get("attn_logit_softcapping", 50.0) or 0.0),
+        "final_logit_softcapping": float(raw.get("final_logit_softcapping", None if gemma3 else 30.0) or 0.0),
+    }
+    if gemma3:  # two RoPEs: full layers' rope_theta with its scaling, sliding layers' plain local base
+        params = raw.get("rope_parameters") or {}
+        full = params.get("full_attention") or raw.get("rope_scaling") or {}
+        local = params.get("sliding_attention") or {}
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+        fields["rope"] = _rope_config(raw, arch, params={"rope_theta": raw.get("rope_theta", 1_000_000.0), **full})
+        fields["local_rope"] = _rope_config(raw, arch, params={"rope_theta": local_theta, **local})
+    return fields

@@ -12,6 +12,8 @@ from backend.runner.convert import source_gguf
 from backend.runner.gguf_load import load_gguf_weights
 from backend.runner.gguf_model import gguf_source
 from backend.runner.hf_config import SUPPORTED_ARCHITECTURES, is_m2m100, load_model_config
+from backend.runner.models.gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
+from backend.runner.models.gemma import GemmaForCausalLM
 from backend.runner.models.llama import LlamaForCausalLM
 from backend.runner.models.m2m100_decoder import M2M100ForTranslation
 from backend.runner.models.moe import MoeForCausalLM
@@ -30,7 +32,9 @@ _MTP_PREFIX = "model.mtp_layers."
 # transformers 5 saves a vision-language model's text weights under model.language_model.
 _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
 # our forwards other than LlamaForCausalLM, by architecture (_load_native)
-_NATIVE_CLASSES = {"Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM}
+# our own forward's model class by architecture (the rest: LlamaForCausalLM)
+_NATIVE_CLASSES = {"Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,
+                   **dict.fromkeys(GEMMA_ARCHITECTURES, GemmaForCausalLM)}  # fmt: skip
 
 
 def load_model(
@@ -66,9 +70,11 @@ def load_model(
 def _native_refusal(folder: Path) -> str | None:
     """Why our own forward does not take the folder's model (None: it does)."""
     try:
-        load_model_config(folder)
+        cfg = load_model_config(folder)
     except ValueError as e:
         return str(e)
+    if cfg.architecture in GEMMA_ARCHITECTURES and gguf_source(folder) is not None:
+        return f"our {cfg.architecture} reads safetensors checkpoints, not GGUF files (whose norms hold 1 + w)"
     return None
 
 

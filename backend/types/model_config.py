@@ -51,6 +51,11 @@ class ModelConfig:
     vision: VisionInfo | None = None  # a vision-language model's token ids and patch layout
     # a mixture of experts' routed MLPs (backend/runner/models/moe.py); None: every layer dense
     moe: MoeConfig | None = None
+    # Gemma 2 / 3 (backend/runner/models/gemma.py); other architectures keep the defaults
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcapping: float = 0.0  # > 0: attention scores soft-capped (Gemma 2); 0: off
+    final_logit_softcapping: float = 0.0  # > 0: logits soft-capped; 0: off
+    local_rope: RopeConfig | None = None  # the sliding-window layers' RoPE (Gemma 3); None: `rope`
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from backend.runner.attention import (
     paged_kv,
 )
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.models.rope import reorder_rotary_rows, rope_inv_freq, rope_table
+from backend.runner.models.rope import RopeTable, reorder_rotary_rows, rope_inv_freq
 from backend.runner.quant.formats import QuantizedWeight
 from backend.runner.quant.matmul import quant_linear
 from backend.types.model_config import ModelConfig
@@ -64,7 +64,8 @@ class DecoderLayer(torch.nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.eps, self.scale = cfg.rms_norm_eps, d**-0.5
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.attention_scale or d**-0.5
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's (0: off); not in decode_layer
         self.sliding_window = cfg.sliding_windows[index] if cfg.sliding_windows else None
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.input_norm = empty_param(h, dtype=dtype, device=device)
@@ -151,7 +152,7 @@ class DecoderLayer(torch.nn.Module):
             qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan).reshape(num_tokens, -1)  # [T, H * D]
+        out = paged_attention(q, k, v, kv_cache, batch, self.scale, plan, self.softcap).reshape(num_tokens, -1)
         o = linear(out, self.o_proj_t, self.o_bias)
         if batch.lora is not None:
             add_lora(o, out, batch.lora, self.index, O_PROJ)
@@ -159,6 +160,8 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
+    layer_class = DecoderLayer  # a subclass's own layer (backend/runner/models/gemma.py)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = cfg
@@ -177,14 +180,15 @@ class LlamaForCausalLM(torch.nn.Module):
         # kept across steps: the KV caches' flat views (for the caches last passed to forward)
         # and the rotary table (dtype, cos, sin), grown as positions do
         self._paged_kvs: list[PagedKv] = []
-        self._rope_table: tuple[torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._rope_table = RopeTable(cfg)
         self.mtp: MtpHead | None = None  # the checkpoint's MTP layers, when it ships them (the loader's)
         # a vision-language checkpoint's vision encoder (the loader's): (pixel_values, grids) -> embeds
         self.visual: torch.nn.Module | None = None
 
-    @staticmethod
-    def make_layer(cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
-        return DecoderLayer(cfg, index, dtype, device)
+    @classmethod
+    def make_layer(cls, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
+        """Layer `index` (a mixture's routed ones: backend/runner/models/moe.py)."""
+        return cls.layer_class(cfg, index, dtype, device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -197,15 +201,7 @@ class LlamaForCausalLM(torch.nn.Module):
             rope = self.mrope_rotary(batch, x.dtype)
         else:
             rope = self.rotary(batch.positions, x.dtype, max(batch.context_lens) - 1)
-        block_size = kv_caches[0].shape[2]
-        plans = {
-            w: build_attention_plan(batch, block_size, x.dtype, w, self.config.num_heads // self.config.num_kv_heads)
-            for w in {layer.sliding_window for layer in self.layers}
-        }
-        # the caches' flat views, made once for the caches the runner keeps passing
-        kvs = self._paged_kvs
-        if len(kvs) != len(kv_caches) or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True)):
-            self._paged_kvs = kvs = [paged_kv(cache) for cache in kv_caches]
+        plans, kvs = self._step_operands(batch, kv_caches, x.dtype)
         fused = self._fused_decode(batch, plans, x)
         for layer, kv in zip(self.layers, kvs, strict=True):
             plan = plans[layer.sliding_window]
@@ -214,6 +210,19 @@ class LlamaForCausalLM(torch.nn.Module):
             else:
                 x = layer(x, rope, kv, batch, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _step_operands(
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], dtype: torch.dtype
+    ) -> tuple[dict[int | None, AttentionPlan], list[PagedKv]]:
+        """The step's attention plans (one per sliding window) and the caches' flat views (made
+        once for the caches the runner keeps passing)."""
+        block_size, group = kv_caches[0].shape[2], self.config.num_heads // self.config.num_kv_heads
+        windows = {layer.sliding_window for layer in self.layers}
+        plans = {w: build_attention_plan(batch, block_size, dtype, w, group) for w in windows}
+        kvs = self._paged_kvs
+        if len(kvs) != len(kv_caches) or any(kv.cache is not c for kv, c in zip(kvs, kv_caches, strict=True)):
+            self._paged_kvs = kvs = [paged_kv(cache) for cache in kv_caches]
+        return plans, kvs
 
     def _fused_decode(self, batch: ForwardBatch, plans: dict[int | None, AttentionPlan], x: torch.Tensor) -> bool:
         """Whether this step's layers run as one decode_layer call each: float32 on the CPU
@@ -240,15 +249,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> Rope:
         """cos, sin: [T, 1, D] at `positions` (the largest, when the caller knows it:
         `max_position`), rows of a table kept across steps and grown as positions do."""
-        if max_position is None:
-            max_position = int(positions.max()) if positions.numel() else 0
-        cached = self._rope_table
-        if cached is None or cached[0] != dtype or cached[1].shape[0] <= max_position:
-            # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
-            size = max(1 << max_position.bit_length(), 256)
-            cos, sin = rope_table(self.config, self.inv_freq, size)
-            self._rope_table = cached = (dtype, cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
-        return cached[1].index_select(0, positions), cached[2].index_select(0, positions)
+        return self._rope_table.rows(self.inv_freq, positions, dtype, max_position)
 
     def mrope_rotary(self, batch: ForwardBatch, dtype: torch.dtype) -> Rope:
         """`rotary`'s tables for M-RoPE: each frequency pair turns by its section's (t, h, w) row

@@ -1,5 +1,6 @@
 """RoPE as transformers computes it (default, linear, Llama 3.1's, Phi-3's longrope, partial
-rotary), laid out for our forward: a head's dim i turns with dim i + head_dim / 2.
+rotary), laid out for our forward: a head's dim i turns with dim i + head_dim / 2; the cos / sin
+table the models read their rows from (`RopeTable`).
 
 Partial rotary (a share of each head turns, the rest passes): transformers turns the head's
 first `rotary_dim` dims, pairing i with i + rotary_dim / 2. We reorder each q and k head's
@@ -100,3 +101,26 @@ def reorder_rotary_rows(cfg: ModelConfig, layers: torch.nn.ModuleList) -> None:
                 layer.qkv_bias.data = layer.qkv_bias.data[order]
             if layer.qk_norm is not None:
                 layer.qk_norm.data = layer.qk_norm.data[:, inner].contiguous()
+
+
+class RopeTable:
+    """cos, sin rows [T, 1, D] of one set of inverse frequencies, from a table kept across
+    steps and grown as positions do."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.config = cfg
+        self._kept: tuple[torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(
+        self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at `positions` (the largest, when the caller knows it: `max_position`)."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        kept = self._kept
+        if kept is None or kept[0] != dtype or kept[1].shape[0] <= max_position:
+            # computed in float32 like transformers, then cast to the model dtype: [size, 1, D]
+            size = max(1 << max_position.bit_length(), 256)
+            cos, sin = rope_table(self.config, inv_freq, size)
+            self._kept = kept = (dtype, cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
+        return kept[1].index_select(0, positions), kept[2].index_select(0, positions)

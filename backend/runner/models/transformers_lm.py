@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.runner.attention import AttentionPlan, PagedKv, build_attention_plan, paged_attention, paged_kv, write_kv
+from backend.runner.eager_attention import eager_attention
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.models.llama import linear
 from backend.runner.quant.formats import QuantizedWeight
@@ -82,39 +83,8 @@ def paged_attention_forward(
         out = paged_attention(q, k, v, kv, step.batch, scale, step.plan(window))
     else:
         write_kv(kv, k, v, step.batch.slot_mapping)
-        out = _eager_attention(q, kv, step.batch, scale, window, softcap, s_aux)
+        out = eager_attention(q, kv, step.batch, scale, window, softcap, s_aux)
     return out.unsqueeze(0), None
-
-
-def _eager_attention(
-    q: torch.Tensor, kv: PagedKv, batch: ForwardBatch, scale: float, window: int | None,
-    softcap: float | None, sinks: torch.Tensor | None,
-) -> torch.Tensor:  # fmt: skip
-    """Attention with what our kernels do not take (soft-capped scores, sinks), one sequence at
-    a time over its cached context, in float32: [T, H, D]."""
-    out = torch.empty_like(q)
-    block_size = kv.cache.shape[2]
-    num_heads, group = q.shape[1], q.shape[1] // kv.keys.shape[1]
-    for i in range(batch.num_seqs):
-        start, end, length = batch.query_start[i], batch.query_start[i + 1], batch.context_lens[i]
-        pos = torch.arange(length)
-        slots = batch.block_tables[i, pos // block_size] * block_size + pos % block_size
-        k, v = (half.index_select(0, slots).float().repeat_interleave(group, dim=1) for half in (kv.keys, kv.values))
-        scores = torch.einsum("thd,lhd->htl", q[start:end].float(), k) * scale  # [H, Tq, L]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(length - (end - start), length)[:, None]
-        seen = pos[None, :] <= q_pos
-        if window is not None:
-            seen &= pos[None, :] > q_pos - window
-        scores = scores.masked_fill(~seen, float("-inf"))
-        if sinks is not None:  # a per-head logit that takes a share of the softmax and gives nothing
-            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, end - start, 1)
-            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("htl,lhd->thd", probs, v).to(q.dtype)
-    return out
 
 
 class RowLinear(torch.nn.Module):

@@ -2,10 +2,11 @@
 brings"): tiny random-weight checkpoints built with transformers, greedy tokens equal to
 transformers' generate() (up to a near-tie of the reference's top two logits), alone and
 inside a busy batch with its prompt cut into prefill chunks, and each token's logprob within
-1e-3 of transformers' log-softmax. Our own forward takes Llama, Qwen3, Qwen3-MoE and Mixtral; the
-rest run on the generic path (backend/runner/models/transformers_lm.py): sliding windows interleaved with
-global layers, logit soft-capping, QK norm, attention sinks, NoPE layers, partial rotary,
-parallel residuals, Granite's multipliers and gpt-oss' experts. Models that keep
+1e-3 of transformers' log-softmax. Our own forward takes Llama, Qwen3, Phi-3 (partial rotary),
+Qwen3-MoE, Mixtral and Gemma 2 / 3 (sliding windows interleaved with global layers,
+soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
+(backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
+rotary, parallel residuals, Granite's multipliers and gpt-oss' experts. Models that keep
 state outside the KV cache, and encoders, are refused with the reason.
 """
 
@@ -29,7 +30,11 @@ DIMS = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden
 GQA = dict(num_key_value_heads=2, head_dim=32)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 SLIDING = ["sliding_attention", "full_attention"] * 2
-# model_type -> (config overrides, the path the engine must take)
+GEMMA3_ROPE = {  # Gemma 3 4B and larger: the global layers' RoPE linearly scaled, the sliding layers' not
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+# model_type[:variant] -> (config overrides, the path the engine must take)
 ARCHITECTURES = {
     "llama": (GQA, "native"),
     "qwen3": (GQA, "native"),
@@ -38,15 +43,19 @@ ARCHITECTURES = {
             **GQA,
             "sliding_window": WINDOW,
             "final_logit_softcapping": 5.0,
-            "attn_logit_softcapping": 8.0,
+            "attn_logit_softcapping": 8.0,  # sharpened scores reach past it: capping bends them
             "query_pre_attn_scalar": 24,
             "layer_types": SLIDING,
         },
-        "transformers",
+        "native",
     ),
     "gemma3_text": (
         {**GQA, "sliding_window": WINDOW, "layer_types": SLIDING, "rope_local_base_freq": 1000.0},
-        "transformers",
+        "native",
+    ),
+    "gemma3_text:linear_rope": (
+        {**GQA, "sliding_window": WINDOW, "layer_types": SLIDING, "rope_parameters": GEMMA3_ROPE},
+        "native",
     ),
     "phi3": ({"num_key_value_heads": 2, "partial_rotary_factor": 0.5}, "native"),
     "granite": (
@@ -129,8 +138,8 @@ def assert_matches(ours: list[int], ref: list[int], logits: torch.Tensor, what: 
 def checkpoint(request, tmp_path_factory):
     model_type = request.param
     overrides, path = ARCHITECTURES[model_type]
-    folder = tmp_path_factory.mktemp(model_type)
-    model = build(model_type, folder, overrides)
+    folder = tmp_path_factory.mktemp(model_type.replace(":", "-"))
+    model = build(model_type.split(":")[0], folder, overrides)
     return model_type, folder, path, reference(model, PROMPT)
 
 
@@ -192,13 +201,17 @@ def test_model_impl_transformers_runs_a_native_architecture_on_the_generic_path(
     assert_matches(tokens["t"], ref, logits, "llama on the transformers path")
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
-def test_speculative_verify_steps_on_the_generic_path_keep_transformers_tokens(tmp_path, model_type):
-    """n-gram drafts verified k + 1 rows a step (soft-capped and sink attention included)."""
+@pytest.mark.parametrize(
+    ("model_type", "impl"), [("gemma2", "transformers"), ("gemma2", "native"), ("gpt_oss", "auto")]
+)
+def test_speculative_verify_steps_keep_transformers_tokens(tmp_path, model_type, impl):
+    """n-gram drafts verified k + 1 rows a step (soft-capped and sink attention included), on
+    the generic path and on our own forward."""
     model = build(model_type, tmp_path, ARCHITECTURES[model_type][0])
     prompt = (PROMPT[:10] * 5)[:48]  # repeats: the n-gram drafter proposes
     ref, logits = reference(model, prompt)
-    eng = LLMEngine(EngineConfig(model_path=str(tmp_path), max_loras=0, speculative="ngram", quant="none"))
+    eng = LLMEngine(EngineConfig(model_path=str(tmp_path), max_loras=0, speculative="ngram", quant="none",
+                                 model_impl=impl))  # fmt: skip
     tokens, _ = run_to_completion(eng, {"s": greedy(prompt=prompt)})
     assert_matches(tokens["s"], ref, logits, f"{model_type} speculative")
     assert eng.speculator.stats.num_draft_tokens > 0  # verify steps ran

@@ -175,3 +175,18 @@ def test_paged_attention_over_a_float16_cache_rounds_the_new_keys_and_attends_in
     paged_attention(q, k.half().float(), v.half().float(), written, batch, 0.125, plan)
     assert torch.equal(half.float(), written)  # the new rows rounded as .to(float16) rounds them
     assert _relative_error(got, _reference(q, written, tables, lengths, 0.125)) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_capped_attention_with_the_kernel_matches_the_eager_path(monkeypatch, window):
+    """Gemma 2's soft-capped scores: our kernel, and where it does not run the eager path
+    (SDPA does not take soft-capping), give the same attention."""
+    lengths = [70, 3, 33, 128, 1]
+    q, k, v, cache, batch, plan, _ = _decode_step(lengths, 9, 3, 64, window)
+    with_kernel = paged_attention(q, k, v, cache.clone(), batch, 1.0, plan, softcap=4.0)
+    monkeypatch.setattr(attention, "paged_attention_rows", lambda *args: None)
+    eager = paged_attention(q, k, v, cache.clone(), batch, 1.0, plan, softcap=4.0)
+    assert _relative_error(with_kernel, eager.double()) < 1e-5
+    uncapped = paged_attention(q, k, v, cache.clone(), batch, 1.0, plan)
+    assert _relative_error(uncapped, eager.double()) > 1e-2

@@ -14,7 +14,7 @@ needs_kernels = pytest.mark.skipif(kernels.native() is None, reason="no AVX-512 
 BLOCK = 16
 
 
-def _reference(q, keys, values, tables, seq, lens, scale, window):
+def _reference(q, keys, values, tables, seq, lens, scale, window, softcap=0.0):
     n, heads, dim = q.shape
     group = heads // keys.shape[1]
     out = torch.empty(n, heads, dim, dtype=torch.float64)
@@ -24,7 +24,10 @@ def _reference(q, keys, values, tables, seq, lens, scale, window):
         slots = tables[seq[r], pos // BLOCK] * BLOCK + pos % BLOCK
         k, v = keys[slots].double(), values[slots].double()
         for h in range(heads):
-            weights = torch.softmax((k[:, h // group] @ q[r, h].double()) * scale, 0)
+            scores = (k[:, h // group] @ q[r, h].double()) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = torch.softmax(scores, 0)
             out[r, h] = weights @ v[:, h // group]
     return out
 
@@ -43,7 +46,7 @@ def _step(dtype, dim, heads=9, kv_heads=3):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("window", [None, 100])
 def test_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
     q, kv, tables, seq, lens = _step(dtype, dim)
@@ -65,6 +68,33 @@ def test_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
         kernels.paged_attention_rows(q[s], kv, tables, seq[s], lens[s], BLOCK, scale, window) for s in (first, second)
     ]
     assert torch.equal(torch.cat(parts), got[5:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [32, 256])
+@pytest.mark.parametrize("window", [None, 100])
+def test_soft_capped_rows_match_the_reference_and_each_row_is_its_own(dtype, dim, window):
+    """Gemma 2's soft-capping, softcap * tanh(score / softcap) before the softmax: a cap that
+    bends the scores (scaled by 1 here, they reach ~3 sigma of sqrt(dim)) changes the output, and
+    a row's numbers stay its own."""
+    q, kv, tables, seq, lens = _step(dtype, dim)
+    scale, softcap = 1.0, 5.0
+    got = kernels.paged_attention_rows(q, kv, tables, seq, lens, BLOCK, scale, window, softcap)
+    want = _reference(q, *kv, tables, seq, lens, scale, window, softcap)
+    assert (got.double() - want).abs().max().item() < 5e-6
+    uncapped = kernels.paged_attention_rows(q, kv, tables, seq, lens, BLOCK, scale, window)
+    assert (uncapped - got).abs().max().item() > 0.1
+    for r in range(len(seq)):
+        alone = kernels.paged_attention_rows(
+            q[r : r + 1], kv, tables, seq[r : r + 1], lens[r : r + 1], BLOCK, scale, window, softcap
+        )
+        assert torch.equal(alone[0], got[r])
+    parts = [
+        kernels.paged_attention_rows(q[s], kv, tables, seq[s], lens[s], BLOCK, scale, window, softcap)
+        for s in (slice(0, 5), slice(5, 25), slice(25, 45))
+    ]
+    assert torch.equal(torch.cat(parts), got)
 
 
 @needs_kernels
