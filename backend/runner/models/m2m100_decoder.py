@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from backend.runner.attention import AttentionPlan, build_attention_plan, paged_attention, write_kv
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.models.llama import copy_weights, empty_param, linear
+from backend.runner.models.llama import empty_param, linear
+from backend.runner.models.llama_weights import copy_weights
 from backend.runner.models.m2m100 import M2M100Config, M2M100Encoder, SinusoidalPositions, is_encoder_weight
 from backend.runner.models.m2m100_cross import CrossPlan, cross_attention
 from backend.runner.weights import iter_weights, weight_files

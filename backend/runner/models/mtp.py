@@ -24,14 +24,8 @@ import torch.nn.functional as F
 
 from backend.runner.attention import build_attention_plan
 from backend.runner.forward_batch import ForwardBatch
-from backend.runner.models.llama import (
-    DecoderLayer,
-    LlamaForCausalLM,
-    copy_weights,
-    empty_param,
-    layer_targets,
-    linear,
-)
+from backend.runner.models.llama import DecoderLayer, LlamaForCausalLM, empty_param, linear
+from backend.runner.models.llama_weights import copy_weights, layer_targets
 from backend.types.model_config import ModelConfig
 
 
