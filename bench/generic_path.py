@@ -1,7 +1,7 @@
 """What the transformers path costs: the same model on our own forward and on transformers'
 modeling code (MODEL_IMPL=native / transformers), in one process, measured in turns.
 
-Both run float32 weights (QUANT=none: the transformers path has no quantized linears) and a
+Both run float32 weights (QUANT=none on both: the linears' format is not what is compared) and a
 float32 KV cache; the engine is driven in process (no server), greedy, no speculation. One
 stream's decode rate (best of --rounds), then --streams streams' aggregate rate; each
 round runs both forwards, alternated.
@@ -60,24 +60,26 @@ def main(argv: list[str] | None = None) -> None:
 
     model = str(model_folder(args.model) if args.model else ensure_default_model())
     print(f"CPU: {describe_cpu()}\nmodel: {model}", flush=True)
-    prompts = prompts_for(AutoTokenizer.from_pretrained(model), args.streams)
+    compare(model, prompts_for(AutoTokenizer.from_pretrained(model), args.streams), args.rounds, args.tokens)
+
+
+def compare(model: str, prompts: list[list[int]], rounds: int, tokens: int) -> None:
+    """Both forwards on `model`, alternated: one stream's rate and len(prompts) streams' per
+    round, then the transformers path / our own forward ratios."""
     engines = {impl: _engine(model, impl) for impl in ("native", "transformers")}
     for engine in engines.values():  # warm up: first calls, page faults of the weights and the cache
         _rate(engine, prompts, 8)
     one = {impl: [] for impl in engines}
     many = {impl: [] for impl in engines}
-    for i in range(args.rounds):
+    streams = len(prompts)
+    for i in range(rounds):
         for impl, engine in engines.items():
-            one[impl].append(_rate(engine, prompts[:1], args.tokens))
-            many[impl].append(_rate(engine, prompts, args.tokens))
+            one[impl].append(_rate(engine, prompts[:1], tokens))
+            many[impl].append(_rate(engine, prompts, tokens))
         print(f"round {i + 1}: one stream {one['native'][-1]:.1f} (native) {one['transformers'][-1]:.1f} "
-              f"(transformers); {args.streams} streams {many['native'][-1]:.1f} {many['transformers'][-1]:.1f} tok/s",
+              f"(transformers); {streams} streams {many['native'][-1]:.1f} {many['transformers'][-1]:.1f} tok/s",
               flush=True)  # fmt: skip
-    for what, rates in (("one stream", one), (f"{args.streams} streams", many)):
+    for what, rates in (("one stream", one), (f"{streams} streams", many)):
         ratios = [t / n for t, n in zip(rates["transformers"], rates["native"], strict=True)]
         print(f"{what}: transformers path / our own forward {', '.join(f'{r:.2f}x' for r in ratios)} "
               f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

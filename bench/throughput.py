@@ -240,9 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     vision.main()  # prefill with images against transformers
     print()
     routing.main(model_path)  # KV-aware routing against round robin over 3 instances
-    from bench import generic_path, gguf_ab  # they read prompts_for from here
+    from bench import families, generic_path, gguf_ab  # they read prompts_for from here
 
     print()
     gguf_ab.main([])  # K-quant GGUF files (Q4_K_M, Q6_K) against llama-server on the same files
     print()
     generic_path.main([])  # the transformers path against our own forward on the same model
+    print()
+    families.main([])  # the same on Gemma 2 / 3, Phi-3, Qwen3-MoE checkpoints
