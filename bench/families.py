@@ -19,7 +19,7 @@ OUT = Path("build/bench_families")
 VOCAB = 32000
 SHAPE = dict(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=4096,
-             bos_token_id=1, eos_token_id=2)  # fmt: skip
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
 SLIDING = ["sliding_attention"] * 3 + ["full_attention"]
 FAMILIES = {
     "gemma2": dict(sliding_window=512, layer_types=SLIDING * 2, query_pre_attn_scalar=64),

@@ -108,3 +108,20 @@ def write_tiny_llama(dest: Path, seed: int = 0, **overrides) -> Path:
             param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
     model.save_pretrained(dest)
     return dest
+
+
+def engine_logits_with_adapter(engine, name: str, adapter: Path, prompt: list[int]) -> torch.Tensor:
+    """The engine's model's logits [len(prompt), vocab] over `prompt` in one prefill, with
+    adapter `adapter` loaded as `name` on every row (its lanes' weights, a scratch cache)."""
+    from backend.lora.batch import LoraBatch
+    from backend.lora.lanes import lane_weights
+    from backend.runner.drafters import allocate_kv
+    from backend.runner.forward_batch import Span, build_forward_batch
+
+    runner = engine.runner
+    loaded = engine.adapters.load(name, str(adapter))
+    weights = lane_weights(engine.adapters.weights(loaded), runner.model_config, torch.float32, runner.device)
+    kv = allocate_kv(runner.model_config, runner.model_config.num_layers, 8, 16, torch.float32, runner.device)
+    batch = build_forward_batch([Span(prompt, 0, [0, 1], len(prompt))], 16, runner.device)
+    batch.lora = LoraBatch(whole=weights)
+    return runner.model.compute_logits(runner.model(batch, kv))

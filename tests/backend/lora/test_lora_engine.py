@@ -13,13 +13,15 @@ import torch
 
 from backend.contract import AdapterNotFound, GenerationRequest, SamplingParams
 from backend.core.engine import LLMEngine
-from backend.lora.batch import LoraBatch
-from backend.lora.lanes import lane_weights
-from backend.runner.drafters import allocate_kv
-from backend.runner.forward_batch import Span, build_forward_batch
 from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
-from tests.helpers.lora_models import peft_greedy, peft_model, write_adapter, write_tiny_llama
+from tests.helpers.lora_models import (
+    engine_logits_with_adapter,
+    peft_greedy,
+    peft_model,
+    write_adapter,
+    write_tiny_llama,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 7, 11], [200, 1, 1, 64, 90], [33] * 20 + [8, 9], [250, 128, 7]]
@@ -65,15 +67,9 @@ def _request(prompt, slot=0, params=GREEDY, **fields) -> GenerationRequest:
 def test_logits_equal_peft_for_each_adapter_within_1e_4(folders, reference):
     base, adapters = folders
     engine = _engine(base)
-    runner = engine.runner
     prompt = PROMPTS[0] + PROMPTS[1]
     for name in ("a", "b", "c"):
-        adapter = engine.adapters.load(name, str(adapters[name]))
-        weights = lane_weights(engine.adapters.weights(adapter), runner.model_config, torch.float32, runner.device)
-        kv = allocate_kv(runner.model_config, runner.model_config.num_layers, 8, 16, torch.float32, runner.device)
-        batch = build_forward_batch([Span(prompt, 0, [0, 1], len(prompt))], 16, runner.device)
-        batch.lora = LoraBatch(whole=weights)
-        ours = runner.model.compute_logits(runner.model(batch, kv))
+        ours = engine_logits_with_adapter(engine, name, adapters[name], prompt)
         with torch.inference_mode():
             theirs = reference(torch.tensor([prompt]), adapter_names=[name]).logits[0]
         assert (ours - theirs).abs().max().item() < 1e-4, name

@@ -14,15 +14,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from backend import kernels
 from backend.contract import GenerationRequest, SamplingParams
 from backend.core.engine import LLMEngine
-from backend.lora.batch import LoraBatch
-from backend.lora.lanes import lane_weights
 from backend.runner.drafters import allocate_kv
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.hf_config import load_model_config
 from backend.runner.quant.formats import QuantizedWeight
 from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
-from tests.helpers.lora_models import peft_model, write_adapter
+from tests.helpers.lora_models import engine_logits_with_adapter, peft_model, write_adapter
 
 DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=8,
@@ -96,13 +94,7 @@ def test_lora_logits_equal_peft_within_1e_4(tmp_path, model_type):
     reference = peft_model(base, {"a": adapter})
     engine = LLMEngine(EngineConfig(model_path=str(base), device="cpu", dtype="float32", num_blocks=32,
                                     max_loras=2, speculative="off", quant="none"))  # fmt: skip
-    runner = engine.runner
-    loaded = engine.adapters.load("a", str(adapter))
-    weights = lane_weights(engine.adapters.weights(loaded), runner.model_config, torch.float32, runner.device)
-    kv = allocate_kv(runner.model_config, runner.model_config.num_layers, 8, 16, torch.float32, runner.device)
-    batch = build_forward_batch([Span(PROMPT, 0, [0, 1], len(PROMPT))], 16, runner.device)
-    batch.lora = LoraBatch(whole=weights)
-    ours = runner.model.compute_logits(runner.model(batch, kv))
+    ours = engine_logits_with_adapter(engine, "a", adapter, PROMPT)
     with torch.inference_mode():
         theirs = reference(torch.tensor([PROMPT]), adapter_names=["a"]).logits[0]
         base_logits = reference(torch.tensor([PROMPT]), adapter_names=["__base__"]).logits[0]
