@@ -171,15 +171,24 @@ class _Worker:
         return self._ready
 
     def run(self, kind: str, text: str, deadline: float) -> str | None:
-        """The compilation's outcome (None: it compiles; else the reason it does not)."""
+        """The compilation's outcome (None: it compiles; else the reason it does not).
+        A worker that died before reading the spec (its pipe broken, or reset: the spec
+        left unread) is not the spec's doing: the spec goes once more, to a fresh one."""
+        try:
+            try:
+                return self._compile(kind, text, deadline)
+            except (BrokenPipeError, ConnectionResetError):
+                self._restart()
+                return self._compile(kind, text, deadline)
+        except (EOFError, OSError):
+            raise _WorkerDied(f"the compiling process died (exit code {self._restart()})") from None
+
+    def _compile(self, kind: str, text: str, deadline: float) -> str | None:
         deadline += self._wait_started()  # a worker's start is not the spec's time
         if _left(deadline) <= 0:
             raise CompileTimeout
-        try:
-            self._conn.send((kind, text))
-            return self._receive(_left(deadline))
-        except (EOFError, OSError):
-            raise _WorkerDied(f"the compiling process died (exit code {self._restart()})") from None
+        self._conn.send((kind, text))
+        return self._receive(_left(deadline))
 
     def _wait_started(self) -> float:
         """The seconds spent waiting for the process to start; one that died idle (not the
@@ -198,7 +207,9 @@ class _Worker:
     def _died_idle(self) -> bool:
         """Whether a started worker's pipe reads as closed: an idle worker says nothing until
         sent a spec, so anything readable is its end. `alive` alone can miss a death: a pid
-        reaped by another waiter reads as running to multiprocessing (waitpid's ECHILD)."""
+        reaped by another waiter reads as running to multiprocessing (waitpid's ECHILD).
+        Neither sees a death in progress (a killed process's pipe closes when its last
+        thread ends): `run` finds that one out when its spec comes back unread."""
         try:
             return self._ready and self._conn.poll(0)
         except (EOFError, OSError):

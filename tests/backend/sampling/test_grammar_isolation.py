@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -206,11 +207,20 @@ def test_failures_are_not_cached_and_name_the_spec(make):
 
 
 def dead(pid: int) -> bool:
+    """Every thread of the process gone: a killed process's leader reads as a zombie while
+    its other threads still end, and its pipes close only with the last one."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        return all(state(f"/proc/{pid}/task/{task}/stat") in ("Z", "X") for task in os.listdir(f"/proc/{pid}/task"))
     except FileNotFoundError:
         return True
+
+
+def state(path: str) -> str:
+    try:
+        with open(path) as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
 
 
 def test_a_worker_that_dies_fails_its_compilation_alone_and_is_replaced(make):
@@ -229,6 +239,25 @@ def test_a_worker_that_dies_fails_its_compilation_alone_and_is_replaced(make):
     assert "could not be compiled: the compiling process died" in error.message
     assert compiler.compile("regex", "after", "a") is not None
     assert len(compiler.workers.pids()) == 2 and not set(killed) & set(compiler.workers.pids())
+
+
+def test_a_spec_sent_to_a_worker_that_dies_before_reading_it_goes_to_a_fresh_one(make):
+    """An idle worker's death (killed, out of memory) seen only once a spec was sent: the
+    spec comes back unread (the pipe reset), which is not the spec's doing."""
+    compiler = started(make(workers=1, compile_timeout_s=60.0))
+    frozen = compiler.workers.pids()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)  # alive to every check, reads nothing
+    compiled: list = []
+    thread = threading.Thread(target=lambda: compiled.append(compiler.compile("regex", "sent", "a")))
+    thread.start()
+    time.sleep(1.0)  # the spec sits unread in a frozen worker's pipe
+    for pid in frozen:
+        os.kill(pid, signal.SIGKILL)
+    thread.join()
+    assert len(compiled) == 1 and compiled[0] is not None
+    assert compiler.compile("regex", "next", "b") is not None
+    assert compiler.workers.pids() and not set(frozen) & set(compiler.workers.pids())
 
 
 def test_close_fails_compilations_in_flight(make):
