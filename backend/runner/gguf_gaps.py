@@ -1,5 +1,6 @@
 """What transformers' GGUF reader (5.24) leaves out of a file's config, read from the file
-itself: a MoE's expert width (Qwen2/3-MoE), and Phi-3's RoPE: the share of each head it turns
+itself: a Mixtral's experts (llama.cpp writes Mixtral as a "llama" file with an
+`expert_count`; the reader makes it a dense Llama), a MoE's expert width (Qwen2/3-MoE), and Phi-3's RoPE: the share of each head it turns
 (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dims), longrope (its factor tensors, the
 original context, the attention factor) and the sliding window. Without them transformers
 serves such a file with other numbers than the checkpoint it came from."""
@@ -15,18 +16,31 @@ _EXPERT_WIDTH = "expert_feed_forward_length"  # -> moe_intermediate_size
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
-def fill_gaps(config, source: Path) -> None:
+def fill_gaps(config, source: Path):
+    """`config` with the file's missing settings (a MixtralConfig in place of a Llama one)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(source)
     fields = {key: _value(field) for key, field in reader.fields.items()}
     arch = fields["general.architecture"]
+    if config.model_type == "llama" and fields.get("llama.expert_count"):
+        config = _mixtral(config, fields)
     width = fields.get(f"{arch}.{_EXPERT_WIDTH}")
     if width is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(width)
     if config.model_type == "phi3":
         tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name.startswith("rope_")}
         _phi3_rope(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()}, tensors)
+    return config
+
+
+def _mixtral(config, fields: dict[str, Any]):
+    from transformers import MixtralConfig
+
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+    settings.update(num_local_experts=int(fields["llama.expert_count"]),
+                    num_experts_per_tok=int(fields["llama.expert_used_count"]))  # fmt: skip
+    return MixtralConfig(**settings)
 
 
 def _phi3_rope(config, fields: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:

@@ -17,6 +17,7 @@ from backend.settings.paths import GGUF_SOURCE_FILE as SOURCE
 from backend.settings.paths import cache_dir, gguf_source_file
 
 _TOKENIZER_KEY = b"tokenizer.ggml.model"
+_LAYOUT = 2  # what a prepared folder holds; a new one prepares every file again (2: Mixtral files)
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -47,7 +48,7 @@ def model_folder(path: str | Path) -> Path:
 def prepare(source: Path) -> Path:
     """The prepared folder of GGUF file `source`, made first when missing or out of date."""
     stat = source.stat()
-    stamp = {"path": str(source), "size": stat.st_size, "mtime": stat.st_mtime}
+    stamp = {"path": str(source), "size": stat.st_size, "mtime": stat.st_mtime, "layout": _LAYOUT}
     digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{source.stem}-gguf-{digest}"
     if (target / SOURCE).exists():
@@ -93,8 +94,8 @@ def _write_folder(source: Path, out: Path) -> None:
         raise ValueError(f"{source.name}: {e} (GGUF architectures read: {', '.join(supported)})") from None
     if config.model_type not in CAUSAL:
         raise ValueError(f"{source.name}: model_type {config.model_type!r} is not a causal language model")
+    config = fill_gaps(config, source)
     config.architectures = [CAUSAL[config.model_type]]
-    fill_gaps(config, source)
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(out)
     for path in out.iterdir():

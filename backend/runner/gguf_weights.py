@@ -1,4 +1,4 @@
-"""A GGUF file's tensors for our own forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 files): the decoder's
+"""A GGUF file's tensors for our own forward (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 files): the decoder's
 linears and the lm_head as the file stores them, each in its own block format
 (quant/gguf_formats.py; the parts of a fused q|k|v or gate|up in their common format), and the
 rest (norms, biases, the embedding table) as float32 under Hugging Face's names.
@@ -23,7 +23,7 @@ from backend.runner.quant.gguf_blocks import GgufTensor
 from backend.runner.quant.gguf_formats import common_format
 from backend.types.model_config import ModelConfig
 
-PERMUTED_MODEL_TYPES = ("llama", "mistral")  # files whose q / k rows llama.cpp permuted
+PERMUTED_MODEL_TYPES = ("llama", "mistral", "mixtral")  # files whose q / k rows llama.cpp permuted
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}  # fmt: skip
 _LAYER = {  # after blk.N. -> after model.layers.N.
@@ -99,7 +99,7 @@ def float_weights(
         if is_expert_tensor(tensor.name):
             weight = tensor.weight()
             floats = dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
-            yield from ((name, w) for name, w in expert_floats(tensor, floats) if name not in skip)
+            yield from ((name, w) for name, w in expert_floats(tensor, floats, cfg) if name not in skip)
             continue
         name = hf_name(tensor.name, cfg)
         if name in skip:
@@ -121,7 +121,7 @@ def linear_names(cfg: ModelConfig, taken: dict[str, QuantizedWeight]) -> set[str
             names.add("lm_head.weight" if not cfg.tie_word_embeddings else "")
             continue
         if ".moe.experts." in key:
-            names.update(expert_linear_names(key))
+            names.update(expert_linear_names(key, cfg))
             continue
         _, layer, ours = key.split(".")
         section = "self_attn" if ours in ("qkv_t", "o_proj_t") else "mlp"
