@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from backend.runner.gguf_archs import refused_variant
+
 _EXPERT_WIDTH = "expert_feed_forward_length"  # -> moe_intermediate_size
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
@@ -23,6 +25,9 @@ def fill_gaps(config, source: Path):
     reader = GGUFReader(source)
     fields = {key: _value(field) for key, field in reader.fields.items()}
     arch = fields["general.architecture"]
+    refusal = refused_variant(arch, fields)
+    if refusal is not None:
+        raise ValueError(f"{source.name}: {refusal}")
     if config.model_type == "llama" and fields.get("llama.expert_count"):
         config = _mixtral(config, fields)
     width = fields.get(f"{arch}.{_EXPERT_WIDTH}")

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from backend.runner.gguf_archs import register as register_gguf_architectures
 from backend.runner.gguf_gaps import fill_gaps
 from backend.settings.paths import GGUF_SOURCE_FILE as SOURCE
 from backend.settings.paths import cache_dir, gguf_source_file
@@ -87,6 +88,7 @@ def _write_folder(source: Path, out: Path) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
+    register_gguf_architectures()
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except ValueError as e:  # "GGUF model with architecture X is not supported yet."

@@ -137,14 +137,14 @@ def _oriented(tensor: GgufTensor, cfg: ModelConfig, permuted: bool) -> Quantized
     if not permuted or heads is None:
         return weight
     if len(tensor.shape) == 1:  # a bias: its entries are the rows
-        return weight.reshape(-1)[_row_order(tensor.cols, heads)]
-    order = _row_order(tensor.rows, heads)
+        return weight.reshape(-1)[permuted_row_order(tensor.cols, heads)]
+    order = permuted_row_order(tensor.rows, heads)
     if isinstance(weight, torch.Tensor):
         return weight[order]
     return select_rows(weight, order)
 
 
-def _row_order(rows: int, heads: int) -> torch.Tensor:
+def permuted_row_order(rows: int, heads: int) -> torch.Tensor:
     """GGUF row (h, i, half) is Hugging Face row (h, half, i): the rows to take, in HF order."""
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 

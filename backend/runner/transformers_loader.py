@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from backend.runner.forward_batch import Span, build_forward_batch
+from backend.runner.gguf_archs import register as register_gguf_architectures
 from backend.runner.gguf_model import gguf_source
 from backend.runner.models.transformers_lm import ATTENTION, TransformersCausalLM, register_attention, row_linears
 from backend.runner.quant.apply import QuantSpec
@@ -105,13 +106,16 @@ def load_transformers_model(
     register_attention()
     hf_config = AutoConfig.from_pretrained(folder)
     source = gguf_source(folder)  # a GGUF file: transformers dequantizes its tensors
+    register_gguf_architectures()
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
     hf_model = AutoModelForCausalLM.from_pretrained(
         **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
     )
     hf_model = hf_model.to(device).eval()
-    quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source)
+    q_heads = getattr(hf_config, "num_attention_heads", None)
+    heads = {"attn_q": q_heads, "attn_k": getattr(hf_config, "num_key_value_heads", None) or q_heads}
+    quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source, heads)
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     probe(model, dtype, device)
     print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else ""), file=sys.stderr)

@@ -3,8 +3,9 @@ from a GGUF file's own blocks (MODEL=file.gguf, QUANT=auto) or quantized at load
 (QUANT=int8 | int4), multiplied by our quantized kernels as on our own forward.
 
 A GGUF tensor replaces a linear only where it stands for exactly the weights transformers
-loaded there (its dequantized numbers equal, bit for bit): a file whose converter reordered
-or rescaled a tensor that transformers' reader then undid keeps that linear in float32. A
+loaded there (its dequantized numbers equal, bit for bit; a q / k tensor whose rows
+llama.cpp's converter permuted, as transformers' reader un-permutes them): a file whose
+converter otherwise reordered or rescaled a tensor keeps that linear in float32. A
 mixture's router (`gate`, `router`) stays float32 under QUANT=int8 | int4: its top-k picks
 the experts, and a rounding there would pick others."""
 
@@ -17,16 +18,21 @@ import torch
 from backend.kernels import native
 from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
-from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, tile_weight
+from backend.runner.gguf_weights import permuted_row_order
+from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, select_rows, tile_weight
 from backend.runner.quant.gguf_blocks import read_tensor_table
 from backend.runner.quant.matmul import GEMM_DTYPES, activations_for
 
 _ROUTERS = ("gate", "router")
 
 
-def quantize_linears(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path | None) -> str | None:
+def quantize_linears(
+    linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path | None, heads: dict[str, int] | None = None
+) -> str | None:
     """Quantize the linears in place as QUANT (`spec`) says; a line saying what was done
-    (None: they stay float32). Our kernels take float32 activations on the CPU only."""
+    (None: they stay float32). Our kernels take float32 activations on the CPU only.
+    `heads`: the q and k projections' head counts ("attn_q", "attn_k"), by which a file's
+    Llama-permuted rows are put back in transformers' order."""
     if spec.kind == "none" or not linears:
         return None
     weight_t = linears[0][1].weight_t
@@ -35,7 +41,7 @@ def quantize_linears(linears: list[tuple[str, RowLinear]], spec: QuantSpec, sour
             return None
         raise ValueError(f"QUANT={spec.kind} on the transformers path needs float32 weights on the CPU and our kernels")
     if spec.kind == "auto":
-        return _gguf_blocks(linears, spec, source) if source is not None else None
+        return _gguf_blocks(linears, spec, source, heads or {}) if source is not None else None
     done = 0
     for name, row in linears:
         head = name == "lm_head"
@@ -47,8 +53,9 @@ def quantize_linears(linears: list[tuple[str, RowLinear]], spec: QuantSpec, sour
     return f"QUANT={spec.kind}: {done} of {len(linears)} linears quantized at load (routers and the rest stay float32)"
 
 
-def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path) -> str:
-    """Each linear whose GGUF tensor holds exactly its weights takes the tensor's blocks."""
+def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path, heads: dict[str, int]) -> str:
+    """Each linear whose GGUF tensor holds exactly its weights takes the tensor's blocks (a q
+    or k tensor's rows taken in transformers' order where llama.cpp permuted them)."""
     tensors = {t.name: t for t in read_tensor_table(source)}
     names = _name_map(source, tensors)
     done = 0
@@ -60,10 +67,23 @@ def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: 
         weight = tensor.weight() if tensor is not None and tensor.raw is not None else None
         if not isinstance(weight, QuantizedWeight) or weight.out_features != row.weight_t.shape[1]:
             continue
-        if torch.equal(dequantize(weight), row.weight_t.t()):
+        weight = _same_weights(weight, row.weight_t.t(), heads.get((gguf_name or "").rsplit(".", 1)[-1]))
+        if weight is not None:
             _install(row, weight, spec, "int4")  # llama.cpp's arithmetic: int8 activations where VNNI
             done += 1
     return f"QUANT=auto: {done} of {len(linears)} linears in the GGUF file's own block formats (the rest float32)"
+
+
+def _same_weights(weight: QuantizedWeight, loaded: torch.Tensor, heads: int | None) -> QuantizedWeight | None:
+    """`weight`, or its rows un-permuted (a q / k tensor of `heads` heads), holding exactly
+    the `loaded` [out, in] weights; None if neither does."""
+    if torch.equal(dequantize(weight), loaded):
+        return weight
+    if heads and weight.out_features % (2 * heads) == 0:
+        reordered = select_rows(weight, permuted_row_order(weight.out_features, heads))
+        if torch.equal(dequantize(reordered), loaded):
+            return reordered
+    return None
 
 
 def _name_map(source: Path, tensors: dict):

@@ -154,10 +154,13 @@ def write_phi3(
     return path
 
 
-def write_from_hf(path: Path, model, arch: str, linear_type: str, settings: dict[str, object]) -> Path:
+def write_from_hf(
+    path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False
+) -> Path:
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
-    gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`;
-    `settings`: GGUFWriter.add_<key> values (block_count ...), plus the default model's tokenizer."""
+    gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
+    (q / k rows `permuted` as the converter does for Llama-derived models); `settings`:
+    GGUFWriter.add_<key> values (block_count ...), plus the default model's tokenizer."""
     import gguf
 
     writer = GGUFWriter(path, arch)
@@ -173,6 +176,10 @@ def write_from_hf(path: Path, model, arch: str, linear_type: str, settings: dict
             continue
         data = tensor.float().numpy()
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+        if permuted and name.rsplit(".", 2)[-2] in heads:  # each head's rows (half, i) as (i, half)
+            rows = heads[name.rsplit(".", 2)[-2]]
+            data = data.reshape(rows, 2, -1, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         if data.ndim == 2 and data.shape[1] % 32 == 0 and linear_type != "F32":
             writer.add_tensor(gguf_name, quantize(data, GGMLQuantizationType[linear_type]),
                               raw_dtype=GGMLQuantizationType[linear_type])  # fmt: skip

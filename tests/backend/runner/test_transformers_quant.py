@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from backend.contract import GenerationRequest, SamplingParams
 from backend.core.engine import LLMEngine
+from backend.runner import gguf_model
 from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize
 from backend.settings.engine import EngineConfig
@@ -93,7 +94,7 @@ def test_quant_int8_quantizes_every_linear_but_routers_and_keeps_transformers_nu
 
 @pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_0", "Q5_1"])
 def test_a_gguf_file_on_the_transformers_path_serves_its_own_blocks(tmp_path, monkeypatch, linear_type):
-    monkeypatch.setenv("LLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")  # the prepared folder; kernels built once
     settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
                 "head_count": 4, "head_count_kv": 2, "layer_norm_eps": 1e-5}  # fmt: skip
     source = write_from_hf(
@@ -103,3 +104,45 @@ def test_a_gguf_file_on_the_transformers_path_serves_its_own_blocks(tmp_path, mo
     eng, tokens, logprobs = serve(source, quant="auto")
     assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())
     assert_close(tokens, logprobs, *greedy_reference(reference))
+
+
+# architectures transformers' GGUF reader learns from backend/runner/gguf_archs.py: the file's
+# metadata as llama.cpp's converter writes it, q / k rows permuted where it permutes them
+LEARNED = [
+    ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                 "logits_scaling": 8.0},
+     {"attention_scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0}, True),
+    ("olmo2", {}, {}, False),
+    ("smollm3", {"tie_word_embeddings": True, "pad_token_id": 2}, {}, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "metadata", "permuted"), LEARNED, ids=[a[0] for a in LEARNED])
+def test_a_gguf_file_of_an_architecture_transformers_reader_lacks(tmp_path, monkeypatch, model_type, overrides,
+                                                                   metadata, permuted):  # fmt: skip
+    """The file's config, tokenizer and weights come out as the checkpoint's: transformers on
+    the model the file was written from (holding the file's Q8_0 numbers) is the reference."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")  # the prepared folder; kernels built once
+    model = build(model_type, **overrides)
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": model.config.rms_norm_eps,
+                "rope_freq_base": model.config.rope_parameters["rope_theta"], **metadata}  # fmt: skip
+    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, model_type, "Q8_0", settings, permuted)
+    with torch.no_grad():  # the reference holds the numbers the file does
+        for param in model.parameters():
+            if param.dim() == 2 and param.shape[1] % 32 == 0:
+                param.copy_(dequantize(quantize(param, "int8", 32, True)))
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == type(model).__name__
+    assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())  # q / k too
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def test_an_olmo3_file_written_as_olmo2_is_refused_in_one_line(tmp_path, monkeypatch):
+    """llama.cpp writes OLMo 3 as an "olmo2" file with sliding windows: not OLMo 2's numbers."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-6, "sliding_window": 64}  # fmt: skip
+    source = write_from_hf(tmp_path / "olmo3.Q8_0.gguf", build("olmo2"), "olmo2", "Q8_0", settings)
+    with pytest.raises(ValueError, match=r"olmo2\.attention\.sliding_window.*OLMo 3 is not read from GGUF"):
+        gguf_model.model_folder(source)

@@ -1,0 +1,74 @@
+"""GGUF architectures transformers' reader (5.24) does not know, taught to it: Granite,
+OLMo 2 and SmolLM3, named in the files as llama.cpp's converter writes them. Each entry
+is the file's keys (after `<arch>.`) to the transformers config's fields, and whether the
+converter permuted the q / k rows as it does for Llama (`undo_permute`: Granite and SmolLM3
+derive from its LlamaModel, OLMo 2 does not). `register` adds them to transformers' tables
+once, in the process that reads files: the prepared folder's config and tokenizer, and the
+transformers path's load of the weights (backend/runner/transformers_loader.py) both go
+through transformers' reader.
+
+What a file leaves out comes from the transformers config's defaults, which are the
+checkpoints': SmolLM3's NoPE layers (every 4th layer without RoPE; llama.cpp assumes the
+same), Granite's head size (hidden / heads; its converter drops head_dim).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "vocab_size": "vocab_size",
+}
+# file architecture -> (its keys to config fields, q / k rows permuted)
+ARCHITECTURES: dict[str, tuple[dict[str, str], bool]] = {
+    "granite": (
+        {**_LLAMA_KEYS, "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"},  # fmt: skip
+        True,
+    ),
+    "olmo2": (_LLAMA_KEYS, False),
+    "smollm3": (_LLAMA_KEYS, True),
+}
+# keys of these architectures' files that say the file is a variant transformers' model of
+# that name does not compute (OLMo 3 is written as "olmo2" with sliding windows)
+REFUSED_KEYS = {"olmo2": ("attention.sliding_window",)}
+
+_lock = threading.Lock()
+_registered = False
+
+
+def register() -> None:
+    """Teach transformers' GGUF reader ARCHITECTURES (idempotent, thread-safe)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        from transformers import modeling_gguf_pytorch_utils as reader
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        for arch, (keys, permuted) in ARCHITECTURES.items():
+            if arch in GGUF_CONFIG_MAPPING:  # a newer transformers reads it itself
+                continue
+            GGUF_CONFIG_MAPPING[arch] = dict(keys)
+            reader.GGUF_TO_TRANSFORMERS_MAPPING["config"][arch] = GGUF_CONFIG_MAPPING[arch]
+            reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+            if permuted:
+                reader.TENSOR_PROCESSORS[arch] = reader.LlamaTensorProcessor
+        _registered = True
+
+
+def refused_variant(arch: str, fields: dict[str, object]) -> str | None:
+    """Why a file of a registered architecture is not served, or None."""
+    for key in REFUSED_KEYS.get(arch, ()):
+        if fields.get(f"{arch}.{key}") is not None:
+            return f"its {arch}.{key} (a variant the {arch} model does not compute: OLMo 3 is not read from GGUF yet)"
+    return None
