@@ -90,9 +90,9 @@ def gguf(tmp_path_factory):
         yield path, out.sequences[0, len(PROMPT) :].tolist(), torch.cat(out.logits).float()
 
 
-@pytest.mark.parametrize("quant", ["auto", "none"])
-def test_a_qwen3_moe_file_gives_transformers_greedy_tokens(gguf, quant):
-    path, ref, logits = gguf
+def served_greedy(path, quant: str, ref: list[int], logits: torch.Tensor) -> LLMEngine:
+    """The file on our own forward (`quant`, the exact mode): its greedy tokens are `ref`, up to
+    a near-tie of the reference's top two logits. The engine, for a look at its layers."""
     eng = LLMEngine(EngineConfig(model_path=str(path), quant=quant, quant_activations="float32", max_loras=0,
                                  speculative="off"))  # fmt: skip
     assert eng.runner.native
@@ -103,6 +103,13 @@ def test_a_qwen3_moe_file_gives_transformers_greedy_tokens(gguf, quant):
             top = logits[i].topk(2).values
             assert float(top[0] - top[1]) < 1e-3 * max(1.0, float(top[0].abs())), (quant, i, tokens, ref)
             break
+    return eng
+
+
+@pytest.mark.parametrize("quant", ["auto", "none"])
+def test_a_qwen3_moe_file_gives_transformers_greedy_tokens(gguf, quant):
+    path, ref, logits = gguf
+    eng = served_greedy(path, quant, ref, logits)
     layer = eng.runner.model.layers[1]
     assert isinstance(layer, MoeDecoderLayer)
     expert = layer.moe.experts[3]
@@ -193,16 +200,8 @@ def mixtral(tmp_path_factory):
 @pytest.mark.parametrize("quant", ["auto", "none"])
 def test_a_mixtral_file_gives_transformers_greedy_tokens(mixtral, quant):
     path, ref, logits = mixtral
-    eng = LLMEngine(EngineConfig(model_path=str(path), quant=quant, quant_activations="float32", max_loras=0,
-                                 speculative="off"))  # fmt: skip
-    assert eng.runner.native and eng.runner.model.config.architecture == "MixtralForCausalLM"
-    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    tokens, _ = run_to_completion(eng, {"r": GenerationRequest(prompt_tokens=PROMPT, sampling=sampling)})
-    for i, (a, b) in enumerate(zip(tokens["r"], ref, strict=True)):
-        if a != b:  # only where the reference's top two logits nearly tie
-            top = logits[i].topk(2).values
-            assert float(top[0] - top[1]) < 1e-3 * max(1.0, float(top[0].abs())), (quant, i, tokens, ref)
-            break
+    eng = served_greedy(path, quant, ref, logits)
+    assert eng.runner.model.config.architecture == "MixtralForCausalLM"
     expert = eng.runner.model.layers[0].moe.experts[2]
     assert isinstance(expert.gate_up_t, QuantizedWeight) == (quant == "auto")
     if quant == "auto":  # the file's blocks: Q4_0 gate | up as int4, Q8_0 down as int8
