@@ -20,7 +20,7 @@ from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
 from backend.runner.gguf_weights import permuted_row_order
 from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, select_rows, tile_weight
-from backend.runner.quant.gguf_blocks import read_tensor_table
+from backend.runner.quant.gguf_blocks import read_architecture, read_tensor_table
 from backend.runner.quant.matmul import GEMM_DTYPES, activations_for
 
 _ROUTERS = ("gate", "router")
@@ -90,8 +90,7 @@ def _name_map(source: Path, tensors: dict):
     """gguf-py's map of transformers module names to the file's tensor names."""
     import gguf
 
-    arch_name = gguf.GGUFReader(source).fields["general.architecture"]
-    arch_name = bytes(arch_name.parts[-1]).decode()
+    arch_name = read_architecture(source)
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     blocks = 1 + max((int(n.split(".")[1]) for n in tensors if n.startswith("blk.")), default=-1)
     return gguf.get_tensor_name_map(arch, blocks)

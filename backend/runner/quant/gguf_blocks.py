@@ -120,6 +120,20 @@ def _parse_header(buffer: memoryview, path: Path) -> tuple[list[tuple[str, int, 
     return infos, -(-at // alignment) * alignment
 
 
+def read_architecture(path: Path) -> str:
+    """The file's general.architecture, read without gguf-py's reader (which parses every
+    field: seconds for a tokenizer's vocabulary)."""
+    buffer = memoryview(np.memmap(path, dtype=np.uint8, mode="r"))
+    num_fields, at = struct.unpack_from("<Q", buffer, 16)[0], 24
+    for _ in range(num_fields):
+        key, at = _string(buffer, at)
+        (kind,), at = struct.unpack_from("<I", buffer, at), at + 4
+        if key == "general.architecture" and kind == _STRING:
+            return _string(buffer, at)[0]
+        at = _skip_value(buffer, at, kind)
+    raise ValueError(f"{path} names no general.architecture")
+
+
 def _string(buffer: memoryview, at: int) -> tuple[str, int]:
     (size,) = struct.unpack_from("<Q", buffer, at)
     if at + 8 + size > len(buffer):
