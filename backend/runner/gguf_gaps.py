@@ -1,6 +1,7 @@
 """What transformers' GGUF reader (5.24) leaves out of a file's config, read from the file
 itself: a Mixtral's experts (llama.cpp writes Mixtral as a "llama" file with an
-`expert_count`; the reader makes it a dense Llama), a MoE's expert width (Qwen2/3-MoE), and Phi-3's RoPE: the share of each head it turns
+`expert_count`; the reader makes it a dense Llama), a MoE's expert width (Qwen2/3-MoE),
+Gemma 2 / 3's attention scale, soft-caps and RoPE settings, and Phi-3's RoPE: the share of each head it turns
 (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dims), longrope (its factor tensors, the
 original context, the attention factor) and the sliding window. Without them transformers
 serves such a file with other numbers than the checkpoint it came from."""
@@ -15,6 +16,7 @@ import numpy as np
 from backend.runner.gguf_archs import refused_variant
 
 _EXPERT_WIDTH = "expert_feed_forward_length"  # -> moe_intermediate_size
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # how llama.cpp tells the 27B models
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
@@ -33,10 +35,32 @@ def fill_gaps(config, source: Path):
     width = fields.get(f"{arch}.{_EXPERT_WIDTH}")
     if width is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(width)
+    if config.model_type in _GEMMA_27B_LAYERS:
+        _gemma(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()})
     if config.model_type == "phi3":
         tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name.startswith("rope_")}
         _phi3_rope(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()}, tensors)
     return config
+
+
+def _gemma(config, fields: dict[str, Any]) -> None:
+    """Gemma 2 / 3: the attention scale as llama.cpp takes it (1 / sqrt(hidden / heads) for the
+    27B models, whose query_pre_attn_scalar that is, else 1 / sqrt(head size); transformers'
+    reader leaves its default of 256), the soft-caps, the sliding layers' RoPE base and the
+    global layers' linear RoPE scaling (Gemma 3 4B and up) where the file has them."""
+    big = config.num_hidden_layers == _GEMMA_27B_LAYERS[config.model_type]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if fields.get(key) is not None:
+            setattr(config, key, float(fields[key]))
+    if config.model_type != "gemma3_text":
+        return
+    params = {kind: dict(value) for kind, value in (config.rope_parameters or {}).items()}
+    if fields.get("rope.freq_base_swa") and "sliding_attention" in params:
+        params["sliding_attention"]["rope_theta"] = float(fields["rope.freq_base_swa"])
+    if fields.get("rope.scaling.type") == "linear" and fields.get("rope.scaling.factor") and "full_attention" in params:
+        params["full_attention"].update(rope_type="linear", factor=float(fields["rope.scaling.factor"]))
+    config.rope_parameters = params
 
 
 def _mixtral(config, fields: dict[str, Any]):

@@ -1,4 +1,5 @@
-"""A GGUF file's tensors for our own forward (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 files): the decoder's
+"""A GGUF file's tensors for our own forward (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+Phi-3, Gemma 2 / 3 files): the decoder's
 linears and the lm_head as the file stores them, each in its own block format
 (quant/gguf_formats.py; the parts of a fused q|k|v or gate|up in their common format), and the
 rest (norms, biases, the embedding table) as float32 under Hugging Face's names.
@@ -38,6 +39,12 @@ _LAYER = {  # after blk.N. -> after model.layers.N.
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed layer's router (its experts: gguf_experts.py)
 }
 _FUSED_LAYER = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma's sandwich norms (its ffn_norm is the MLP's input norm); llama.cpp stores every Gemma
+# norm as 1 + w, transformers' checkpoints (and so our load) w
+_GEMMA_LAYER = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}  # fmt: skip
+_GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # RoPE's factors (llama3's, Phi-3's longrope): our RoPE takes them from config.json
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # our fused linears: their parts, in row order
@@ -56,7 +63,8 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     if name in _TOP:
         return _TOP[name]
     parts = name.split(".", 2)
-    layer = {**_LAYER, **_FUSED_LAYER} if _fused(cfg) else _LAYER
+    layer = {**_LAYER, **(_FUSED_LAYER if _fused(cfg) else {}),
+             **(_GEMMA_LAYER if cfg.architecture in _GEMMA_ARCHITECTURES else {})}  # fmt: skip
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     raise ValueError(f"GGUF tensor {name} has no place in our forward")
@@ -107,6 +115,8 @@ def float_weights(
         weight = _oriented(tensor, cfg, permuted)
         if isinstance(weight, QuantizedWeight):
             weight = dequantize(weight)
+        if cfg.architecture in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            weight = weight - 1  # exact: the file's 1 + w lies in [0.5, 2] for any w in [-0.5, 1]
         yield name, weight.reshape(tensor.shape)
 
 

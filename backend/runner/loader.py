@@ -70,11 +70,9 @@ def load_model(
 def _native_refusal(folder: Path) -> str | None:
     """Why our own forward does not take the folder's model (None: it does)."""
     try:
-        cfg = load_model_config(folder)
+        load_model_config(folder)
     except ValueError as e:
         return str(e)
-    if cfg.architecture in GEMMA_ARCHITECTURES and gguf_source(folder) is not None:
-        return f"our {cfg.architecture} reads safetensors checkpoints, not GGUF files (whose norms hold 1 + w)"
     return None
 
 

@@ -155,12 +155,14 @@ def write_phi3(
 
 
 def write_from_hf(
-    path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False
-) -> Path:
+    path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False,
+    norm_shift: float = 0.0,
+) -> Path:  # fmt: skip
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
     gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
-    (q / k rows `permuted` as the converter does for Llama-derived models); `settings`:
-    GGUFWriter.add_<key> values (block_count ...), plus the default model's tokenizer."""
+    (q / k rows `permuted` as the converter does for Llama-derived models, `norm_shift` added
+    to every norm as it does for Gemma's); `settings`: GGUFWriter.add_<key> values
+    (block_count ...), plus the default model's tokenizer."""
     import gguf
 
     writer = GGUFWriter(path, arch)
@@ -174,7 +176,7 @@ def write_from_hf(
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        data = tensor.float().numpy()
+        data = tensor.float().numpy() + (norm_shift if name.endswith("norm.weight") else 0.0)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
         if permuted and name.rsplit(".", 2)[-2] in heads:  # each head's rows (half, i) as (i, half)
@@ -190,3 +192,18 @@ def write_from_hf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def file_numbers(model, type_name: str = "Q8_0") -> None:
+    """Put in `model` the numbers `write_from_hf` writes for it in `type_name`: each 2-D weight
+    it quantizes (a row a multiple of 32 long), quantized and dequantized by gguf-py."""
+    import torch
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType[type_name]
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2 and param.shape[1] % 32 == 0:
+                data = dequantize(quantize(param.detach().float().numpy(), kind), kind)
+                param.copy_(torch.from_numpy(data).reshape(param.shape))
+
