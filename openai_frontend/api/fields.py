@@ -98,7 +98,7 @@ CHAT: dict[str, FieldRule] = {
     "prompt_cache_key": _supported(_SESSION),
     "store": _partly("stored completions are not kept by this server", lambda value: value is False),
     "service_tier": _partly("one tier here: auto or default", lambda value: value in ("auto", "default")),
-    "modalities": _partly("text only: no audio output", lambda value: list(value) == ["text"]),
+    "modalities": _partly("text only: no audio output", lambda value: value == ["text"]),
     "audio": _refused("audio output is not supported"),
     "verbosity": _refused("verbosity control is not supported"),
     "web_search_options": _refused("web search is not supported"),

@@ -206,4 +206,3 @@ def file_numbers(model, type_name: str = "Q8_0") -> None:
             if param.dim() == 2 and param.shape[1] % 32 == 0:
                 data = dequantize(quantize(param.detach().float().numpy(), kind), kind)
                 param.copy_(torch.from_numpy(data).reshape(param.shape))
-

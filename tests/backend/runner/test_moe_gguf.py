@@ -150,7 +150,9 @@ def write_mixtral(path, model) -> None:
             param.data.copy_(torch.from_numpy(dequantize(quantize(data, kind), kind)).reshape(param.shape))
         if heads:  # llama.cpp's order: each head's rows (half, i) as (i, half)
             data = data.reshape(heads, 2, -1, data.shape[-1]).swapaxes(1, 2).reshape(data.shape)
-        writer.add_tensor(name, data if type_name == "F32" else quantize(data, kind), raw_dtype=None if type_name == "F32" else kind)
+        writer.add_tensor(
+            name, data if type_name == "F32" else quantize(data, kind), raw_dtype=None if type_name == "F32" else kind
+        )
 
     inter, layers = cfg.intermediate_size, model.model.layers
     add("token_embd.weight", model.model.embed_tokens.weight, "Q8_0")

@@ -189,6 +189,21 @@ def test_what_is_not_honoured_is_a_400_naming_it(app, body, param):
     assert engine.requests == []
 
 
+@pytest.mark.parametrize("value", [False, 7, "text", {"text": 1}, [["text"]], [None]])
+def test_a_partly_honoured_field_of_the_wrong_type_is_a_400_naming_it_never_a_500(app, value):
+    """The fuzzer's find: `"modalities": false` once reached list(False), a 500."""
+    for path, base, table in (
+        ("/v1/chat/completions", {"messages": USER}, CHAT),
+        ("/v1/completions", {"prompt": "x"}, COMPLETIONS),
+    ):
+        for name in (name for name, rule in table.items() if rule.treatment is Treatment.PARTLY):
+            if table[name].accepts(value):
+                continue
+            response, engine = _post(app, path, {**base, name: value})
+            assert response.status_code == 400, (path, name, value, response.text)
+            assert response.json()["error"]["param"] == name and engine.requests == []
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
