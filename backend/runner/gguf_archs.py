@@ -1,15 +1,17 @@
-"""GGUF architectures transformers' reader (5.24) does not know, taught to it: Granite,
-OLMo 2 and SmolLM3, named in the files as llama.cpp's converter writes them. Each entry
-is the file's keys (after `<arch>.`) to the transformers config's fields, and whether the
-converter permuted the q / k rows as it does for Llama (`undo_permute`: Granite and SmolLM3
-derive from its LlamaModel, OLMo 2 does not). `register` adds them to transformers' tables
-once, in the process that reads files: the prepared folder's config and tokenizer, and the
-transformers path's load of the weights (backend/runner/transformers_loader.py) both go
+"""GGUF architectures transformers' reader (5.24) does not know, taught to it: Gemma (1),
+OLMo (1), Granite, OLMo 2 and SmolLM3, named in the files as llama.cpp's converter writes
+them. Each entry is the file's keys (after `<arch>.`) to the transformers config's fields,
+and what the converter did to the tensors that the reader must undo: Llama's permutation of
+the q / k rows (`permute`: Granite, SmolLM3 and OLMo, whose converters derive from or copy
+Llama's) or Gemma's norms stored as 1 + w (`norm`). `register` adds them to transformers'
+tables once, in the process that reads files: the prepared folder's config and tokenizer, and
+the transformers path's load of the weights (backend/runner/transformers_loader.py) both go
 through transformers' reader.
 
 What a file leaves out comes from the transformers config's defaults, which are the
 checkpoints': SmolLM3's NoPE layers (every 4th layer without RoPE; llama.cpp assumes the
-same), Granite's head size (hidden / heads; its converter drops head_dim).
+same), Granite's head size (hidden / heads; its converter drops head_dim), Gemma's RoPE base
+(10000: its converter writes none).
 """
 
 from __future__ import annotations
@@ -28,15 +30,25 @@ _LLAMA_KEYS = {
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
 }
-# file architecture -> (its keys to config fields, q / k rows permuted)
-ARCHITECTURES: dict[str, tuple[dict[str, str], bool]] = {
-    "granite": (
-        {**_LLAMA_KEYS, "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
-         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"},  # fmt: skip
-        True,
+# file architecture -> (its keys to config fields, what the reader undoes in its tensors)
+ARCHITECTURES: dict[str, tuple[dict[str, str], str | None]] = {
+    "gemma": (_LLAMA_KEYS, "norm"),
+    "olmo": (
+        {**{k: v for k, v in _LLAMA_KEYS.items() if "rms" not in k}, "attention.clamp_kqv": "clip_qkv"},
+        "permute",
     ),
-    "olmo2": (_LLAMA_KEYS, False),
-    "smollm3": (_LLAMA_KEYS, True),
+    "granite": (
+        {
+            **_LLAMA_KEYS,
+            "attention.scale": "attention_multiplier",
+            "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier",
+            "logit_scale": "logits_scaling",
+        },  # fmt: skip
+        "permute",
+    ),
+    "olmo2": (_LLAMA_KEYS, None),
+    "smollm3": (_LLAMA_KEYS, "permute"),
 }
 # keys of these architectures' files that say the file is a variant transformers' model of
 # that name does not compute (OLMo 3 is written as "olmo2" with sliding windows)
@@ -55,14 +67,15 @@ def register() -> None:
         from transformers import modeling_gguf_pytorch_utils as reader
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-        for arch, (keys, permuted) in ARCHITECTURES.items():
+        processors = {"permute": reader.LlamaTensorProcessor, "norm": reader.Gemma2TensorProcessor}
+        for arch, (keys, undo) in ARCHITECTURES.items():
             if arch in GGUF_CONFIG_MAPPING:  # a newer transformers reads it itself
                 continue
             GGUF_CONFIG_MAPPING[arch] = dict(keys)
             reader.GGUF_TO_TRANSFORMERS_MAPPING["config"][arch] = GGUF_CONFIG_MAPPING[arch]
             reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
-            if permuted:
-                reader.TENSOR_PROCESSORS[arch] = reader.LlamaTensorProcessor
+            if undo is not None:
+                reader.TENSOR_PROCESSORS[arch] = processors[undo]
         _registered = True
 
 

@@ -6,6 +6,7 @@ layers), which our paged cache could not hold."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,33 @@ def load_transformers_model(
     heads = {"attn_q": q_heads, "attn_k": getattr(hf_config, "num_key_value_heads", None) or q_heads}
     quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source, heads)
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
+    model.config = attention_shape(model, device)
     probe(model, dtype, device)
     print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else ""), file=sys.stderr)
     return model
+
+
+@torch.inference_mode()
+def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelConfig:
+    """The model's config with the heads and head size its attention calls pass (what the KV
+    cache holds), seen in a forward that computes no attention: a config's own fields can
+    miss them (multi-head latent attention's keys of 192 and values of 128, expanded to every
+    head). Keys and values of two sizes share the larger (attention pads the other)."""
+    model.attention_shapes = shapes = {}
+    try:
+        model(build_forward_batch([Span([1, 2], 0, [0], 1)], 16, device), [])
+    except Exception as e:  # the modeling code does what our forward does not give it
+        raise NotServable(f"{model.config.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
+    finally:
+        model.attention_shapes = None
+    heads = {(q_heads, kv_heads) for q_heads, kv_heads, _, _ in shapes.values()}
+    if len(heads) != 1:  # none: attention-free; the probe says so
+        if heads:
+            counts = sorted(heads)
+            raise NotServable(f"{model.config.architecture}: its layers attend with different head counts {counts}")
+        return model.config
+    (q_heads, kv_heads), size = heads.pop(), max(max(k, v) for _, _, k, v in shapes.values())
+    return replace(model.config, num_heads=q_heads, num_kv_heads=kv_heads, head_dim=size)
 
 
 @torch.inference_mode()
@@ -159,6 +184,7 @@ def _probe_logits(model: TransformersCausalLM, steps: list[list[int]], dtype, de
             model.attention_calls = None
         if sorted(calls) != list(range(cfg.num_layers)):
             raise NotServable(f"{cfg.architecture}: its layers do not each attend once a forward through "
-                              f"the attention interface (attention-free or shared-KV layers)")  # fmt: skip
+                              f"transformers' attention interface (attention code of its own, as ALiBi models have, or "
+                              f"attention-free or shared-KV layers)")  # fmt: skip
         start += len(step)
     return logits

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from backend.kernels import native
+from backend.runner.gguf_weights import permuted_row_order
 from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
-from backend.runner.gguf_weights import permuted_row_order
 from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, select_rows, tile_weight
 from backend.runner.quant.gguf_blocks import read_architecture, read_tensor_table
 from backend.runner.quant.matmul import GEMM_DTYPES, activations_for

@@ -39,6 +39,9 @@ class _Step:
     kvs: list[PagedKv]
     query_group: int
     calls: list[int] | None = None  # where set, each attention call's layer (the load's probe)
+    # where set, each layer's (query heads, KV heads, key size, value size), and no attention
+    # computed (the load's first forward: the cache is sized by them)
+    shapes: dict[int, tuple[int, int, int, int]] | None = None
     plans: dict[int | None, AttentionPlan] = field(default_factory=dict)
 
     def plan(self, window: int | None) -> AttentionPlan:
@@ -72,19 +75,33 @@ def paged_attention_forward(
     step = _STEP[-1]
     if step.calls is not None:
         step.calls.append(module.layer_idx)
+    if step.shapes is not None:
+        step.shapes[module.layer_idx] = (query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     kv = step.kvs[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    value_size = v.shape[-1]
+    q, k, v = _padded(q, k, v, kv.keys.shape[-1])
     if k.shape[1:] != kv.keys.shape[1:]:
         cache = tuple(kv.keys.shape[1:])
         raise ValueError(f"layer {module.layer_idx}: keys {tuple(k.shape[1:])} do not fit the cache's {cache}")
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window or None
     if softcap is None and s_aux is None:
         out = paged_attention(q, k, v, kv, step.batch, scale, step.plan(window))
     else:
         write_kv(kv, k, v, step.batch.slot_mapping)
         out = eager_attention(q, kv, step.batch, scale, window, softcap, s_aux)
-    return out.unsqueeze(0), None
+    return out[..., :value_size].unsqueeze(0), None
+
+
+def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """q, k and v zero-padded to the cache's head size, where theirs is smaller (multi-head
+    latent attention: keys of 192, values of 128). Zeros add nothing to q . k, and the output's
+    padded channels are cut off."""
+    if q.shape[-1] == k.shape[-1] == v.shape[-1] == size:
+        return q, k, v
+    return tuple(torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
 
 
 class RowLinear(torch.nn.Module):
@@ -165,6 +182,7 @@ class TransformersCausalLM(torch.nn.Module):
         setattr(hf_model, prefix, self._given)  # hf_model(...) now runs the head alone
         self._kvs: list[PagedKv] = []
         self.attention_calls: list[int] | None = None  # set: each attention call's layer is added
+        self.attention_shapes: dict[int, tuple[int, int, int, int]] | None = None  # set: _Step.shapes
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -173,7 +191,8 @@ class TransformersCausalLM(torch.nn.Module):
         ):
             self._kvs = [paged_kv(cache) for cache in kv_caches]
         cfg = self.config
-        _STEP.append(_Step(batch, self._kvs, cfg.num_heads // cfg.num_kv_heads, self.attention_calls))
+        group = max(1, cfg.num_heads // cfg.num_kv_heads)
+        _STEP.append(_Step(batch, self._kvs, group, self.attention_calls, self.attention_shapes))
         try:
             out = self.base(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:

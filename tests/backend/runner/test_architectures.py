@@ -6,8 +6,9 @@ inside a busy batch with its prompt cut into prefill chunks, and each token's lo
 Qwen3-MoE, Mixtral and Gemma 2 / 3 (sliding windows interleaved with global layers,
 soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
 (backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
-rotary, parallel residuals, Granite's multipliers and gpt-oss' experts. Models that keep
-state outside the KV cache, and encoders, are refused with the reason.
+rotary, parallel residuals, Granite's multipliers, gpt-oss' experts and DeepSeek-V3's multi-head
+latent attention. Models that keep state outside the KV cache, and encoders, are refused with
+the reason.
 """
 
 from __future__ import annotations
@@ -75,6 +76,25 @@ ARCHITECTURES = {
     "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "native"),
     "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "native"),
     "gpt_oss": ({**GQA, **MOE, "sliding_window": WINDOW, "layer_types": SLIDING}, "transformers"),
+    # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
+    # a shared expert and grouped top-k routing after a dense first layer
+    "deepseek_v3": (
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 24,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+        },
+        "transformers",
+    ),  # fmt: skip
 }
 PROMPT = [random.Random(1).randrange(3, VOCAB) for _ in range(40)]  # longer than the windows
 
@@ -102,7 +122,7 @@ def sharpen(model: torch.nn.Module, model_type: str, by: float = 8.0) -> None:
 
 
 # q, k (or fused q|k|v, whose v scaled along does no harm) projections of the families above
-_QK_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight")
+_QK_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight", "q_b_proj.weight")
 
 
 def reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:

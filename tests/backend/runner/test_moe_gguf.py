@@ -192,7 +192,8 @@ def mixtral(tmp_path_factory):
         path = tmp_path_factory.mktemp("mixtral") / "tiny-mixtral.gguf"
         write_mixtral(path, reference)
         out = reference.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+                                 min_new_tokens=NEW_TOKENS, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf_model, "cache_dir", lambda: cache)

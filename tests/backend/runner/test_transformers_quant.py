@@ -111,23 +111,28 @@ def test_a_gguf_file_on_the_transformers_path_serves_its_own_blocks(tmp_path, mo
 LEARNED = [
     ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                  "logits_scaling": 8.0},
-     {"attention_scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0}, True),
-    ("olmo2", {}, {}, False),
-    ("smollm3", {"tie_word_embeddings": True, "pad_token_id": 2}, {}, True),
+     {"attention_scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0},
+     {"permuted": True}),
+    ("olmo2", {}, {}, {}),
+    ("smollm3", {"tie_word_embeddings": True, "pad_token_id": 2}, {}, {"permuted": True}),
+    # Gemma (1): norms stored as 1 + w, the embedding scaled by sqrt(hidden), GeGLU, head size 32
+    ("gemma", {"head_dim": 32}, {"key_length": 32, "value_length": 32}, {"norm_shift": 1.0}),
+    # OLMo (1): norms without weights, q / k / v clipped to +-1.5
+    ("olmo", {"clip_qkv": 1.5}, {"clamp_kqv": 1.5}, {"permuted": True}),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("model_type", "overrides", "metadata", "permuted"), LEARNED, ids=[a[0] for a in LEARNED])
+@pytest.mark.parametrize(("model_type", "overrides", "metadata", "written"), LEARNED, ids=[a[0] for a in LEARNED])
 def test_a_gguf_file_of_an_architecture_transformers_reader_lacks(tmp_path, monkeypatch, model_type, overrides,
-                                                                   metadata, permuted):  # fmt: skip
+                                                                   metadata, written):  # fmt: skip
     """The file's config, tokenizer and weights come out as the checkpoint's: transformers on
     the model the file was written from (holding the file's Q8_0 numbers) is the reference."""
     monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")  # the prepared folder; kernels built once
     model = build(model_type, **overrides)
     settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
-                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": model.config.rms_norm_eps,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": getattr(model.config, "rms_norm_eps", 1e-5),
                 "rope_freq_base": model.config.rope_parameters["rope_theta"], **metadata}  # fmt: skip
-    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, model_type, "Q8_0", settings, permuted)
+    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, model_type, "Q8_0", settings, **written)
     file_numbers(model)  # the reference holds the numbers the file does
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == type(model).__name__
