@@ -110,9 +110,15 @@ def load_transformers_model(
     register_gguf_architectures()
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
-    )
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
+        )
+    except KeyError as e:  # modeling code that picks its attention class by name (Falcon)
+        if ATTENTION not in str(e):
+            raise
+        raise NotServable(f"{class_name}'s modeling code has attention of its own, not transformers' "
+                          f"attention interface, which the engine's paged cache goes through") from None  # fmt: skip
     hf_model = hf_model.to(device).eval()
     q_heads = getattr(hf_config, "num_attention_heads", None)
     heads = {"attn_q": q_heads, "attn_k": getattr(hf_config, "num_key_value_heads", None) or q_heads}

@@ -154,11 +154,19 @@ class _HiddenOutput:
 
 
 class _GivenHidden(torch.nn.Module):
-    """The base model's stand-in while the head's `forward` makes logits of given hidden states."""
+    """The base model's stand-in while the head's `forward` makes logits of given hidden states
+    (also where the head calls a part of the base: OPT's `model.decoder(...)`)."""
+
+    _PARTS = ("decoder", "language_model", "transformer")  # what heads call of their base model
 
     def __init__(self):
         super().__init__()
         self.hidden: torch.Tensor | None = None
+
+    def __getattr__(self, name: str):
+        if name in _GivenHidden._PARTS:
+            return self
+        return super().__getattr__(name)
 
     def forward(self, *args, **kwargs) -> _HiddenOutput:
         return _HiddenOutput(self.hidden)

@@ -76,6 +76,7 @@ ARCHITECTURES = {
     "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "native"),
     "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "native"),
     "gpt_oss": ({**GQA, **MOE, "sliding_window": WINDOW, "layer_types": SLIDING}, "transformers"),
+    "opt": ({"word_embed_proj_dim": 64}, "transformers"),  # its head calls model.decoder; projected embeddings
     # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
     # a shared expert and grouped top-k routing after a dense first layer
     "deepseek_v3": (
@@ -200,6 +201,8 @@ def _logprobs(eng: LLMEngine, request: GenerationRequest) -> list:
         ("mamba", {}, "state outside attention's KV cache"),  # config.json says so
         ("rwkv", {"attention_hidden_size": 128}, "attend once"),  # it does not: the load's probe finds it
         ("bert", {"is_decoder": True}, "not a decoder-only model"),
+        ("falcon", {}, "attention of its own"),  # picks its attention class by name
+        ("bloom", {}, "do not each attend once a forward"),  # ALiBi, in its own attention code
     ],
 )
 def test_models_the_engine_cannot_serve_are_refused_with_the_reason(tmp_path, model_type, overrides, reason):
