@@ -21,6 +21,7 @@ from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
 from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, select_rows, tile_weight
 from backend.runner.quant.gguf_blocks import read_architecture, read_tensor_table
+from backend.runner.quant.gguf_formats import BLOCK_TYPES
 from backend.runner.quant.matmul import GEMM_DTYPES, activations_for
 
 _ROUTERS = ("gate", "router")
@@ -64,7 +65,8 @@ def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: 
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if tensor is None and name == "lm_head":  # tied: the embedding's blocks
             tensor = tensors.get("token_embd.weight")
-        weight = tensor.weight() if tensor is not None and tensor.raw is not None else None
+        served = tensor is not None and tensor.type_name in BLOCK_TYPES  # not a re-quantized one
+        weight = tensor.weight() if served else None
         if not isinstance(weight, QuantizedWeight) or weight.out_features != row.weight_t.shape[1]:
             continue
         weight = _same_weights(weight, row.weight_t.t(), heads.get((gguf_name or "").rsplit(".", 1)[-1]))

@@ -35,11 +35,14 @@ def weight_formats(folder: Path) -> str:
     from backend.runner.convert import source_gguf
     from backend.runner.gguf_model import gguf_source
     from backend.runner.quant.gguf_blocks import read_tensor_table
+    from backend.runner.quant.gguf_formats import BLOCK_TYPES
 
     source = gguf_source(folder) or source_gguf(folder)
     if source is not None:
         counts = Counter(t.type_name for t in read_tensor_table(source))
-        return f"of {source.name}: " + ", ".join(f"{name} x {n}" for name, n in counts.most_common())
+        named = [f"{name} x {n}" + ("" if name in BLOCK_TYPES else " (re-quantized to int8)")
+                 for name, n in counts.most_common()]  # fmt: skip
+        return f"of {source.name}: " + ", ".join(named)
     counts = Counter()
     for file in weight_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:

@@ -3,8 +3,9 @@ model whose layers each store their linears in a chosen block format, with the d
 tokenizer and chat template in the metadata (copied from its GGUF file).
 
 The `gguf` package quantizes the legacy formats (Q4_0 .. Q8_0) and the floats in numpy, not the
-K-quants: their blocks are random bytes with small float16 scales written over the scale fields
-(a valid block of random weights; the reference, transformers, reads the same file).
+K-quants nor the IQ types: their blocks are random bytes with small float16 scales written over
+the scale fields (a valid block of random weights; the reference, transformers, reads the same
+file).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 from backend.runner.convert import gguf_path
@@ -23,6 +24,8 @@ HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 49152
 _K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
              "Q6_K": (210, (208,))}  # fmt: skip
 _SCALE = {"Q2_K": 0.01, "Q3_K": 0.002, "Q4_K": 0.005, "Q5_K": 0.002, "Q6_K": 0.0002}
+# types without a kernel of ours (re-quantized at load): the float16 scale's offset and size
+_REQUANTIZED = {"IQ4_NL": (0, 0.0004), "IQ4_XS": (0, 0.00002), "IQ3_S": (0, 0.002), "IQ2_XXS": (0, 0.004)}
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -46,6 +49,13 @@ def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np
         for at in scale_at:
             scales = (rng.uniform(0.5, 1.5, size=(rows, cols // 256)) * _SCALE[type_name]).astype(np.float16)
             raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+        return raw.reshape(rows, -1)
+    if type_name in _REQUANTIZED:
+        at, scale = _REQUANTIZED[type_name]
+        per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
+        scales = (rng.uniform(0.5, 1.5, size=raw.shape[:2]) * scale).astype(np.float16)
+        raw[..., at : at + 2] = scales[..., None].view(np.uint8)
         return raw.reshape(rows, -1)
     weights = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     if type_name == "F32":

@@ -9,7 +9,8 @@ Face order, which transformers' GGUF loader also does.
 
 `read_tensor_table` lists a file's tensors of every type; `GgufTensor.weight()` turns those of
 the types gguf_formats.BLOCK_TYPES serves (all of llama.cpp's but the IQ, TQ and FP4 ones)
-into QuantizedWeights or float32 tensors exactly (`gguf_formats.to_weight`).
+into QuantizedWeights or float32 tensors exactly, and those others into int8 ones
+(`gguf_formats.to_weight`, `gguf_formats.requantized`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ _FORMATS = {"Q4_1": ("int4", False), "Q4_0": ("int4", True), "Q8_0": ("int8", Tr
 @dataclass(frozen=True, slots=True)
 class GgufTensor:
     name: str
-    type_name: str  # GGML's name of its type: one of gguf_formats.BLOCK_TYPES, or one we do not serve
+    type_name: str  # GGML's name of its type: served as it is (BLOCK_TYPES), re-quantized, or unknown
     rows: int  # output features (every dimension but the innermost)
     cols: int  # input features (the innermost dimension)
     shape: tuple[int, ...]  # its dimensions outermost first, as torch orders them
-    raw: np.ndarray | None = field(default=None, repr=False)  # None: a type we do not serve
+    raw: np.ndarray | None = field(default=None, repr=False)  # None: a type the `gguf` package does not know
 
     @property
     def data(self) -> np.ndarray:
@@ -51,8 +52,8 @@ class GgufTensor:
         tensor whose type we do not serve."""
         if self.raw is None:
             raise ValueError(
-                f"GGUF tensor {self.name} is stored as {self.type_name}, which is not served "
-                f"(served: {', '.join(BLOCK_TYPES)})"
+                f"GGUF tensor {self.name} is stored as {self.type_name}, a type the gguf package does not know "
+                f"(served: {', '.join(BLOCK_TYPES)}; re-quantized to int8: the IQ, TQ and FP4 types)"
             )
         return self.raw
 
@@ -78,12 +79,12 @@ def read_tensor_table(path: Path) -> list[GgufTensor]:
         cols, rows = (dims[0], int(np.prod(dims[1:]))) if dims else (1, 1)
         shape = tuple(reversed(dims))
         at, block = start + offset, gguf_block_size(type_name)
-        if type_name in BLOCK_TYPES and cols % block[0]:
+        if block is not None and cols % block[0]:
             raise ValueError(f"GGUF tensor {name}: {cols} columns are not whole {type_name} blocks")
         row_bytes = 0 if block is None else cols // block[0] * block[1]
         if at + rows * row_bytes > raw.size:
             raise ValueError(f"{path} is truncated: tensor {name}'s data runs past its end")
-        data = raw[at : at + rows * row_bytes].reshape(rows, row_bytes) if type_name in BLOCK_TYPES else None
+        data = raw[at : at + rows * row_bytes].reshape(rows, row_bytes) if block is not None else None
         tensors.append(GgufTensor(name, type_name, rows, cols, shape, data))
     return tensors
 

@@ -15,6 +15,10 @@ of them bit for bit in float32 (all of its products are exact or made in the sam
 - Q3_K: int8 g16 symmetric, q -4..3, scale d * (sc - 32); Q6_K: int8 g16 symmetric, q - 32,
   scale d * sc.
 
+Every other type the `gguf` package dequantizes (IQ1_S .. IQ4_XS, TQ1_0 / TQ2_0, MXFP4,
+NVFP4) has no kernel of ours: `requantized` rounds its dequantized weights to int8 groups of
+32 (close, not bit for bit; 8.5 bits a weight in memory).
+
 `common_format` brings the parts of a fused matrix (q|k|v, gate|up) to one format.
 """
 
@@ -25,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from backend.runner.quant.formats import BLOCK, QuantizedWeight, unpack_high_bits, unpack_int4
+from backend.runner.quant.formats import BLOCK, QuantizedWeight, quantize, unpack_high_bits, unpack_int4
 
 
 class BlockType(NamedTuple):
@@ -73,7 +77,7 @@ def to_weight(type_name: str, data: np.ndarray, rows: int, cols: int) -> Quantiz
     """A tensor's blocks (uint8 [rows, bytes per row], e.g. a view of the mapped file) -> its
     QuantizedWeight [rows, cols], or a float32 tensor [rows, cols] for F32, F16 and BF16."""
     if type_name not in BLOCK_TYPES:
-        raise ValueError(f"GGUF block type {type_name} is not served (served: {', '.join(BLOCK_TYPES)})")
+        return requantized(type_name, data, rows, cols)
     block = BLOCK_TYPES[type_name]
     if cols % block.weights or data.shape != (rows, cols // block.weights * block.bytes):
         raise ValueError(f"{type_name} data {tuple(data.shape)} does not hold {rows} x {cols} weights")
@@ -86,6 +90,23 @@ def to_weight(type_name: str, data: np.ndarray, rows: int, cols: int) -> Quantiz
         return torch.from_numpy(bits.view(np.float32))
     b = np.asarray(data).reshape(rows, cols // block.weights, block.bytes)
     return _CONVERT[type_name](b, rows, cols)
+
+
+def requantized(type_name: str, data: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
+    """A type we have no kernel for (the IQ, TQ and FP4 ones): the `gguf` package's
+    dequantization of its blocks, rounded to int8 groups of 32 (symmetric, as Q8_0: each weight
+    within half a step of 1 / 127 of its group's largest); a ValueError for a type that package
+    cannot dequantize."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        floats = dequantize(np.asarray(data), GGMLQuantizationType[type_name])
+    except (KeyError, NotImplementedError):
+        served = ", ".join(BLOCK_TYPES)
+        raise ValueError(f"GGUF block type {type_name} is not served (served: {served}; re-quantized to int8: "
+                         f"the IQ, TQ and FP4 types)") from None  # fmt: skip
+    return quantize(torch.from_numpy(floats).reshape(rows, cols), "int8", BLOCK, symmetric=True)
 
 
 def _f16(b: np.ndarray, at: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from backend.contract import GenerationRequest, SamplingParams
 from backend.core.engine import LLMEngine
 from backend.runner import gguf_model
 from backend.runner.gguf_model import gguf_file, model_folder
-from backend.runner.quant.formats import QuantizedWeight
+from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize
 from backend.settings.engine import EngineConfig
 from tests.helpers.engine_runs import run_to_completion
 from tests.helpers.gguf_files import write_model
@@ -104,6 +104,34 @@ def test_prepared_folder_holds_config_tokenizer_and_chat_template(gguf):
     chat = [{"role": "user", "content": "hi"}]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant" in text
+
+
+def test_a_file_of_iq_types_is_served_as_int8_groups_of_its_weights(tmp_path):
+    """IQ4_NL, IQ4_XS, IQ3_S and IQ2_XXS layers (no kernel of ours) are re-quantized to int8
+    groups of 32 at load: the exact mode gives the tokens and logprobs of transformers on the
+    same file with each layer's linears rounded that way."""
+    path = write_model(tmp_path / "tiny-iq.IQ4_XS.gguf", ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_XXS"])
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+                linear.weight.copy_(dequantize(quantize(linear.weight, "int8", 32, symmetric=True)))
+    eng = LLMEngine(EngineConfig(model_path=str(path), quant="auto", quant_activations="float32", max_loras=0,
+                                 speculative="off", kv_cache_dtype="float32"))  # fmt: skip
+    for layer in eng.runner.model.layers:
+        assert (layer.qkv_t.kind, layer.qkv_t.group) == ("int8", 32)
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=1)
+    eng.add_request("r", GenerationRequest(prompt_tokens=PROMPT, sampling=sampling), None)
+    tokens, logprobs = [], []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens += out.token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1].float()
+    assert tokens == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-3), (logprobs, expected)
 
 
 def test_a_truncated_file_is_refused_in_one_line(tmp_path):

@@ -1,12 +1,13 @@
 """Every GGUF block type we serve read as our QuantizedWeight: `formats.dequantize` of it is the
-`gguf` package's dequantization of the same blocks (llama.cpp's), bit for bit in float32."""
+`gguf` package's dequantization of the same blocks (llama.cpp's), bit for bit in float32; the
+types we have no kernel for (IQ, TQ, FP4) within half an int8 step of it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from backend.runner.quant.formats import QuantizedWeight, concat_rows, dequantize
 from backend.runner.quant.gguf_blocks import read_tensor_table
@@ -63,7 +64,9 @@ def every_type(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "every.gguf"
     tensors = {f"{name}.weight": (name, blocks(name, ROWS, COLS, seed)) for seed, name in enumerate(BLOCK_TYPES)}
     tensors["experts.weight"] = ("Q4_K", blocks("Q4_K", 2 * 3, 512).reshape(2, 3, -1))
-    iq4 = np.random.default_rng(9).integers(0, 256, (ROWS, COLS // 32 * 18), dtype=np.uint8)
+    iq4 = np.random.default_rng(9).integers(0, 256, (ROWS, COLS // 32, 18), dtype=np.uint8)
+    iq4[..., :2] = np.full(iq4.shape[:2], 0.01, np.float16)[..., None].view(np.uint8)  # sane scales
+    iq4 = iq4.reshape(ROWS, -1)
     tensors["iq.weight"] = ("IQ4_NL", iq4)
     write_gguf(path, tensors)
     return path
@@ -101,16 +104,38 @@ def test_a_three_dimensional_tensor_is_its_rows(every_type):
     assert torch.equal(dequantize(tensor.weight()), torch.from_numpy(want.copy()))
 
 
-def test_a_type_we_do_not_serve_is_refused_only_when_asked_for(every_type):
-    table = {t.name: t for t in read_tensor_table(every_type)}  # listing it is fine
-    iq = table["iq.weight"]
+# types without a kernel of ours, and where their float16 scale sits (MXFP4: an exponent byte)
+REQUANTIZED = {"IQ4_NL": 0, "IQ4_XS": 0, "IQ3_S": 0, "IQ2_XXS": 0, "TQ2_0": 64, "MXFP4": None}
+
+
+@pytest.mark.parametrize("type_name", list(REQUANTIZED))
+def test_the_iq_tq_and_fp4_types_are_their_dequantization_in_int8_groups_of_32(type_name):
+    kind = GGMLQuantizationType[type_name]
+    per_block, size = GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(3).integers(0, 256, (ROWS, COLS // per_block, size), dtype=np.uint8)
+    at = REQUANTIZED[type_name]
+    if at is None:
+        raw[..., 0] = 120  # 2 ** -7
+    else:
+        raw[..., at : at + 2] = np.full(raw.shape[:2], 0.01, np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(ROWS, -1)
+    weight = to_weight(type_name, raw, ROWS, COLS)
+    assert isinstance(weight, QuantizedWeight) and (weight.kind, weight.group) == ("int8", 32)
+    want = torch.from_numpy(quants.dequantize(raw, kind)).reshape(ROWS, COLS // 32, 32)
+    step = want.abs().amax(-1, keepdim=True) / 127  # a group's int8 step
+    error = (dequantize(weight).reshape(want.shape) - want).abs()
+    assert bool((error <= step / 2 + 1e-7).all()) and float(step.max()) > 0
+
+
+def test_an_iq_tensor_in_a_file_is_listed_and_requantized(every_type):
+    iq = {t.name: t for t in read_tensor_table(every_type)}["iq.weight"]
     assert iq.type_name == "IQ4_NL" and (iq.rows, iq.cols) == (ROWS, COLS)
-    with pytest.raises(ValueError, match=r"iq\.weight is stored as IQ4_NL, which is not served"):
-        iq.weight()
-    with pytest.raises(ValueError, match="iq.weight.*IQ4_NL"):
-        _ = iq.data
-    with pytest.raises(ValueError, match="IQ4_NL is not served"):
-        to_weight("IQ4_NL", np.zeros((ROWS, COLS // 32 * 18), np.uint8), ROWS, COLS)
+    assert isinstance(iq.weight(), QuantizedWeight) and iq.weight().kind == "int8"
+
+
+def test_a_type_the_gguf_package_cannot_dequantize_is_refused_naming_it():
+    with pytest.raises(ValueError, match="GGUF block type type 99 is not served"):
+        to_weight("type 99", np.zeros((ROWS, COLS), np.uint8), ROWS, COLS)
 
 
 def test_a_truncated_file_is_named_truncated(every_type, tmp_path):
