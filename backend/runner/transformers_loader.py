@@ -1,7 +1,7 @@
 """Loading a checkpoint on the generic path (backend/runner/models/transformers_lm.py): any
 decoder-only `*ForCausalLM` transformers implements, checked at load by a probe that it keeps
-no state outside the attention's KV cache (recurrent or convolution layers, KV shared across
-layers), which our paged cache could not hold."""
+no state outside the attention's KV cache (recurrent or convolution layers), which our paged
+cache could not hold."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def transformers_class(raw: dict[str, Any]) -> str:
 
 
 # config.json keys of models whose layers keep state besides attention's keys and values
-# (Mamba and its hybrids, convolution layers, KV shared across layers): what config.json
+# (Mamba and its hybrids, convolution layers): what config.json
 # says; the load's probe catches the rest (RWKV, xLSTM have none of these)
 _STATE_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache", "layers_block_type",
-               "attn_layer_indices", "block_types", "num_kv_shared_layers")  # fmt: skip
+               "attn_layer_indices", "block_types")  # fmt: skip
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
@@ -68,9 +68,9 @@ def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: 
     """Our ModelConfig of a transformers config: what the KV pool and the engine size by."""
     text = hf_config.get_text_config()
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None) or ()
+    kv_heads = _global(text, "num_key_value_heads") or heads  # attention_shape sees the layers' own
+    window = _global(text, "sliding_window")
+    layer_types = _global(text, "layer_types") or ()
     eos = eos_token_ids(folder, raw)
     if not eos and isinstance(text.eos_token_id, int):
         eos = (text.eos_token_id,)
@@ -78,11 +78,11 @@ def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: 
         architecture=class_name,
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
-        intermediate_size=getattr(text, "intermediate_size", 0) or 0,
+        intermediate_size=_global(text, "intermediate_size") or 0,
         num_layers=text.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        head_dim=_global(text, "head_dim") or text.hidden_size // heads,  # attention_shape sees the layers' own
         rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
@@ -90,6 +90,15 @@ def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: 
         eos_token_ids=eos,
         bos_token_id=getattr(text, "bos_token_id", None),
     )
+
+
+def _global(config: Any, name: str) -> Any:
+    """A config's global value of `name`, or None (also where the field varies per layer: Gemma 4's
+    head_dim, which transformers refuses to read globally)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
 
 
 def _windows(layer_types, window: int | None) -> tuple[int | None, ...]:
@@ -119,9 +128,12 @@ def load_transformers_model(
             raise
         raise NotServable(f"{class_name}'s modeling code has attention of its own, not transformers' "
                           f"attention interface, which the engine's paged cache goes through") from None  # fmt: skip
+    except ImportError as e:  # a part built on a package not installed (Gemma 3n's vision tower: timm)
+        why = " ".join(str(e).split())[:200] or "transformers names none"
+        raise NotServable(f"{class_name} needs a package that is not installed ({why})") from None
     hf_model = hf_model.to(device).eval()
     q_heads = getattr(hf_config, "num_attention_heads", None)
-    heads = {"attn_q": q_heads, "attn_k": getattr(hf_config, "num_key_value_heads", None) or q_heads}
+    heads = {"attn_q": q_heads, "attn_k": _global(hf_config, "num_key_value_heads") or q_heads}
     quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source, heads)
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     model.config = attention_shape(model, device)
@@ -135,7 +147,10 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
     """The model's config with the heads and head size its attention calls pass (what the KV
     cache holds), seen in a forward that computes no attention: a config's own fields can
     miss them (multi-head latent attention's keys of 192 and values of 128, expanded to every
-    head). Keys and values of two sizes share the larger (attention pads the other)."""
+    head; Gemma 4's global layers with other head sizes and fewer KV heads than its sliding
+    ones). Every layer's cache holds the most KV heads any layer has (a layer with fewer
+    repeats each, as grouped-query attention shares them) and the largest head size (attention
+    zero-pads the smaller)."""
     model.attention_shapes = shapes = {}
     try:
         model(build_forward_batch([Span([1, 2], 0, [0], 1)], 16, device), [])
@@ -143,14 +158,16 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
         raise NotServable(f"{model.config.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
     finally:
         model.attention_shapes = None
-    heads = {(q_heads, kv_heads) for q_heads, kv_heads, _, _ in shapes.values()}
-    if len(heads) != 1:  # none: attention-free; the probe says so
-        if heads:
-            counts = sorted(heads)
-            raise NotServable(f"{model.config.architecture}: its layers attend with different head counts {counts}")
+    if not shapes:  # attention-free: the probe says so
         return model.config
-    (q_heads, kv_heads), size = heads.pop(), max(max(k, v) for _, _, k, v in shapes.values())
-    return replace(model.config, num_heads=q_heads, num_kv_heads=kv_heads, head_dim=size)
+    q_heads = {q for q, _, _, _ in shapes.values()}
+    kv_heads = max(kv for _, kv, _, _ in shapes.values())
+    if len(q_heads) != 1 or any(kv_heads % kv or next(iter(q_heads)) % kv_heads for _, kv, _, _ in shapes.values()):
+        counts = sorted({(q, kv) for q, kv, _, _ in shapes.values()})
+        raise NotServable(f"{model.config.architecture}: its layers' (query, KV) head counts {counts} do not "
+                          f"share one cache layout")  # fmt: skip
+    size = max(max(k, v) for _, _, k, v in shapes.values())
+    return replace(model.config, num_heads=q_heads.pop(), num_kv_heads=kv_heads, head_dim=size)
 
 
 @torch.inference_mode()

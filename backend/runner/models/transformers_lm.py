@@ -7,11 +7,14 @@ embedding scales and multipliers (Gemma, Granite), mixture-of-experts routing. A
 ATTENTION: it writes each layer's new keys and values into our paged KV cache and attends each
 query row over its own sequence (backend/runner/attention.py), so continuous batching, chunked
 prefill, the prefix cache, preemption and speculative verify steps work as for our own
-forward. A layer's sliding window, logit soft-capping (Gemma 2) and attention sinks (gpt-oss)
-come in as the interface's arguments. Every `nn.Linear` becomes a `RowLinear`: our float32
-matmul (dense.cpp: a row's sums in one order whatever the batch) or, with QUANT, our quantized
-kernels. The logits are the model's own head (soft-capping, logit scales included): its
-`forward` runs over given hidden states (`_GivenHidden` stands in for the base model).
+forward. A KV-shared layer (Gemma 3n's and Gemma 4's last ones) is given the keys and values
+of the layer it shares from and keeps a copy in its own cache. Keys and values are fitted to
+the cache's layout (`_fitted`: head sizes padded, KV heads repeated). A layer's sliding
+window, logit soft-capping (Gemma 2) and attention sinks (gpt-oss) come in as the interface's
+arguments. Every `nn.Linear` becomes a `RowLinear`: our float32 matmul (dense.cpp: a row's
+sums in one order whatever the batch) or, with QUANT, our quantized kernels. The logits are
+the model's own head (soft-capping, logit scales included): its `forward` runs over given
+hidden states (`_GivenHidden` stands in for the base model).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def paged_attention_forward(
     kv = step.kvs[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     value_size = v.shape[-1]
-    q, k, v = _padded(q, k, v, kv.keys.shape[-1])
+    q, k, v = _fitted(q, k, v, *kv.keys.shape[1:])
     if k.shape[1:] != kv.keys.shape[1:]:
         cache = tuple(kv.keys.shape[1:])
         raise ValueError(f"layer {module.layer_idx}: keys {tuple(k.shape[1:])} do not fit the cache's {cache}")
@@ -95,10 +98,13 @@ def paged_attention_forward(
     return out[..., :value_size].unsqueeze(0), None
 
 
-def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-    """q, k and v zero-padded to the cache's head size, where theirs is smaller (multi-head
-    latent attention: keys of 192, values of 128). Zeros add nothing to q . k, and the output's
-    padded channels are cut off."""
+def _fitted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, size: int) -> tuple[torch.Tensor, ...]:
+    """q, k and v as the cache holds them: zero-padded to its head size where theirs is smaller
+    (multi-head latent attention: keys of 192, values of 128; zeros add nothing to q . k and
+    the output's padded channels are cut off), each KV head repeated where the layer has fewer
+    than the cache (Gemma 4's global layers: grouped-query attention sharing them)."""
+    if k.shape[1] < heads and heads % k.shape[1] == 0:
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
     if q.shape[-1] == k.shape[-1] == v.shape[-1] == size:
         return q, k, v
     return tuple(torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))

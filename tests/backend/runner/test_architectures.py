@@ -6,18 +6,20 @@ inside a busy batch with its prompt cut into prefill chunks, and each token's lo
 Qwen3-MoE, Mixtral and Gemma 2 / 3 (sliding windows interleaved with global layers,
 soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
 (backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
-rotary, parallel residuals, Granite's multipliers, gpt-oss' experts and DeepSeek-V3's multi-head
-latent attention. Models that keep state outside the KV cache, and encoders, are refused with
-the reason.
+rotary, parallel residuals, Granite's multipliers, gpt-oss' experts, DeepSeek-V3's multi-head
+latent attention, Gemma 4's layers of two head sizes and KV head counts and its KV-shared
+layers. Models that keep state outside the KV cache, and encoders, are refused with the reason.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from backend.contract import GenerationRequest, SamplingParams
@@ -76,6 +78,37 @@ ARCHITECTURES = {
     "qwen3_moe": ({**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "native"),
     "mixtral": ({**GQA, **MOE, "sliding_window": WINDOW}, "native"),
     "gpt_oss": ({**GQA, **MOE, "sliding_window": WINDOW, "layer_types": SLIDING}, "transformers"),
+    # Gemma 4 (26B-A4B's shape): global layers with heads of 64 over 1 KV head (keys as values),
+    # sliding ones of 32 over 2; experts beside the MLP; a capped head
+    "gemma4_text": (
+        {
+            **GQA,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "global_head_dim": 64,
+            "sliding_window": WINDOW,
+            "layer_types": SLIDING,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 64,
+            "final_logit_softcapping": 5.0,
+        },
+        "transformers",
+    ),  # fmt: skip
+    # Gemma 4 E2B / E4B's shape: the last two layers take the keys and values of the last ones
+    # of their type before them (KV sharing); per-layer inputs
+    "gemma4_text:kv_shared": (
+        {
+            **GQA,
+            "num_kv_shared_layers": 2,
+            "global_head_dim": 64,
+            "sliding_window": WINDOW,
+            "layer_types": SLIDING,
+            "hidden_size_per_layer_input": 32,
+        },
+        "transformers",
+    ),  # fmt: skip
     "opt": ({"word_embed_proj_dim": 64}, "transformers"),  # its head calls model.decoder; projected embeddings
     # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
     # a shared expert and grouped top-k routing after a dense first layer
@@ -210,6 +243,17 @@ def test_models_the_engine_cannot_serve_are_refused_with_the_reason(tmp_path, mo
     config = AutoConfig.for_model(model_type, **{**dims, **overrides})
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=reason):
+        engine(tmp_path)
+
+
+def test_a_model_whose_parts_need_a_package_not_installed_is_refused_naming_it(tmp_path):
+    """Gemma 3n's vision tower is built on timm, which the project does not install."""
+    pytest.importorskip("transformers.models.gemma3n")
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed here")
+    AutoConfig.for_model("gemma3n").save_pretrained(tmp_path)
+    save_file({"unread": torch.zeros(1)}, tmp_path / "model.safetensors")  # the load stops before reading it
+    with pytest.raises(ValueError, match="Gemma3nForConditionalGeneration needs a package that is not installed"):
         engine(tmp_path)
 
 
