@@ -20,8 +20,8 @@ from backend.runner.models.moe import MoeDecoderLayer, SparseMoeBlock, route
 from backend.runner.quant.formats import QuantizedWeight
 from backend.settings.engine import EngineConfig
 from backend.types.model_config import MoeConfig
-from tests.backend.runner.test_architectures import GQA, PROMPT, assert_matches, build, engine, greedy, reference
 from tests.helpers.engine_runs import run_to_completion
+from tests.helpers.tiny_checkpoints import GQA, PROMPT, assert_matches, build, engine, greedy, reference
 
 QWEN3_MOE = {**GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
 
