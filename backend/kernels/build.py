@@ -26,6 +26,7 @@ _SOURCES = [
         "tiles.cpp",
         "tiles_a8.cpp",
         "decode_layer.cpp",
+        "layer_ops.cpp",
         "first_max.cpp",
         "dense.cpp",
     )  # fmt: skip

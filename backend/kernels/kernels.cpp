@@ -354,13 +354,17 @@ torch::Tensor tiled_matmul_a8(torch::Tensor x, torch::Tensor data, torch::Tensor
 torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 // first_max.cpp
 torch::Tensor first_max(torch::Tensor x);
-// decode_layer.cpp
+// layer_ops.cpp
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
+void head_rms_norm_(torch::Tensor x, int64_t first, int64_t heads, torch::Tensor weight, double eps);
+// decode_layer.cpp
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor seq, torch::Tensor lens, int64_t block_size, int64_t window, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, double eps, bool int8_activations);
+                           int64_t num_kv_heads, double scale, double eps, bool int8_activations, double softcap,
+                           bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: the stub's other threads (the sender's
@@ -378,6 +382,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each query row over its sequence's cached keys through its block table, batch-invariant");
   m.def("rope_", &rope_, nogil, "RoPE in place on the first heads of each row, decode_layer's arithmetic");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of gate_up [T, 2I], decode_layer's arithmetic");
+  m.def("gelu_mul", &gelu_mul, nogil, "gelu_tanh(gate) * up of gate_up [T, 2I], decode_layer's arithmetic");
+  m.def("head_rms_norm_", &head_rms_norm_, nogil, "RMSNorm in place of some heads of each row, decode_layer's");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence, attending over its cached keys through its block table");
 }

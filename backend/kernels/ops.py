@@ -1,6 +1,6 @@
 """Our CPU kernels that are not the quantized matmul, each with the caller's fallback where
-they cannot run: rms_norm, silu_mul and the paged attention of query rows (one arithmetic
-for decode, verify and prefill rows: batch-invariant). The quantized matmul is
+they cannot run: rms_norm, silu_mul, gelu_mul, head_rms_norm_ and the paged attention of query
+rows (one arithmetic for decode, verify and prefill rows: batch-invariant). The quantized matmul is
 backend/runner/quant/matmul.py; the sampler's first_max and the decoder layer's decode_layer
 are called on `native()` directly."""
 
@@ -43,6 +43,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return lib.silu_mul(gate_up.contiguous())
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up of gate_up [T, 2I] (gate first, Gemma's GeGLU): on
+    the CPU in float32, decode_layer's own arithmetic (layer_ops.cpp); elsewhere torch's."""
+    usable = gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0
+    lib = native() if usable else None
+    if lib is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    return lib.gelu_mul(gate_up.contiguous())
+
+
+def head_rms_norm_(x: torch.Tensor, first: int, heads: int, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm in place of heads first .. first + heads - 1 of each row of x [T, width], each
+    weight.numel() long, times weight (q / k norms): decode_layer's arithmetic on the CPU in
+    float32, elsewhere torch's."""
+    size = weight.numel()
+    usable = x.is_cpu and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and size % 16 == 0
+    lib = native() if usable and x.is_contiguous() and weight.is_contiguous() else None
+    if lib is not None:
+        lib.head_rms_norm_(x, first, heads, weight, eps)
+        return
+    rows = x[:, first * size : (first + heads) * size].view(x.shape[0], heads, size)
+    rows.copy_(F.rms_norm(rows, (size,), eps=eps) * weight)
 
 
 def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:

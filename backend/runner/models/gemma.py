@@ -16,8 +16,10 @@ Gemma's differences.
 - Gemma 3: q/k norms (1 + w), and two RoPE tables: the sliding layers' (rope_local_base_freq,
   plain) and the global layers' (rope_theta with its scaling, e.g. linear).
 
-Layer by layer with our `linear` (so QUANT's int8 / int4 linears and LoRA adapters work as for
-Llama); the fused decode_layer kernel does not take Gemma's layer.
+A step whose linears are all tiles (QUANT, a GGUF file's blocks) runs each layer as one
+decode_layer call (the sandwich's norms, the q / k norms, GELU and the soft-cap are its
+operands); otherwise layer by layer with our `linear` (so LoRA adapters work as for Llama),
+by the same kernels: a row's numbers are the same in either.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import rms_norm
+from backend.kernels import gelu_mul, rms_norm
 from backend.lora.batch import DOWN, GATE_UP, add_lora
 from backend.runner.attention import AttentionPlan, PagedKv
 from backend.runner.forward_batch import ForwardBatch
@@ -45,21 +47,17 @@ _NORMS = {
 }
 
 
-def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU of gate_up [T, 2I] (gate first): gelu(gate, tanh approximation) * up -> [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 class GemmaDecoderLayer(DecoderLayer):
+    gelu = True  # GeGLU: gelu(gate, tanh approximation) * up
+
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device):
         super().__init__(cfg, index, dtype, device)
         self.attn_out_norm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
         self.mlp_out_norm = empty_param(cfg.hidden_size, dtype=dtype, device=device)
 
-    def decode_operands(self) -> None:
-        """decode_layer (the fused kernel) does not take Gemma's layer: always layer by layer."""
-        return None
+    def output_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sandwich's norms, which decode_layer applies before each residual add."""
+        return self.attn_out_norm, self.mlp_out_norm
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor | PagedKv, batch: ForwardBatch, plan: AttentionPlan
@@ -106,9 +104,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = full
         if self.local_inv_freq is not None:
             local = self._local_rope_table.rows(self.local_inv_freq, batch.positions, x.dtype, top)
+        fused = self._fused_decode(batch, plans, x)
         for layer, kv in zip(self.layers, kvs, strict=True):
             rope = full if layer.sliding_window is None else local
-            x = layer(x, rope, kv, batch, plans[layer.sliding_window])
+            plan = plans[layer.sliding_window]
+            x = layer.decode(x, rope, kv, plan.rows, batch.slot_mapping) if fused else layer(x, rope, kv, batch, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

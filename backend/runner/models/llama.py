@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import EMPTY, KV_KERNEL_DTYPES, PAGED_HEAD_DIMS, dense_matmul, native, rms_norm, rope_, silu_mul
+from backend.kernels import (
+    EMPTY,
+    KV_KERNEL_DTYPES,
+    PAGED_HEAD_DIMS,
+    dense_matmul,
+    head_rms_norm_,
+    native,
+    rms_norm,
+    rope_,
+    silu_mul,
+)
 from backend.lora.batch import DOWN, GATE_UP, O_PROJ, QKV, add_lora
 from backend.runner.attention import (
     AttentionPlan,
@@ -60,13 +70,15 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 class DecoderLayer(torch.nn.Module):
+    gelu = False  # the MLP's gate: SiLU (Gemma's GELU: backend/runner/models/gemma.py)
+
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps, self.scale = cfg.rms_norm_eps, cfg.attention_scale or d**-0.5
-        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's (0: off); not in decode_layer
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's (0: off)
         self.sliding_window = cfg.sliding_windows[index] if cfg.sliding_windows else None
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.input_norm = empty_param(h, dtype=dtype, device=device)
@@ -91,10 +103,10 @@ class DecoderLayer(torch.nn.Module):
     def decode_operands(self) -> list[torch.Tensor] | None:
         """The weights `decode` passes to decode_layer (decode_layer.cpp's order), made once;
         None where the layer cannot run as one call: a linear is not tiles (QUANT=none, or
-        no native kernels), or Qwen3's q/k norms."""
+        no native kernels)."""
         if self._decode_operands is None:
             linears = (self.qkv_t, self.o_proj_t, self.gate_up_t, self.down_t)
-            if self.qk_norm is not None or not all(getattr(w, "tiles", None) is not None for w in linears):
+            if not all(getattr(w, "tiles", None) is not None for w in linears):
                 self._decode_operands = []
             else:
                 qkv, o, gate_up, down = (w.tiles for w in linears)
@@ -103,8 +115,14 @@ class DecoderLayer(torch.nn.Module):
                 self._decode_operands = [
                     self.input_norm, qkv.data, qkv.params, qkv_bias, o.data, o.params, o_bias,
                     self.post_norm, gate_up.data, gate_up.params, down.data, down.params,
+                    EMPTY if self.qk_norm is None else self.qk_norm, *self.output_norms(),
                 ]  # fmt: skip
         return self._decode_operands or None
+
+    def output_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norms of the attention's and the MLP's outputs before their residual adds: none
+        here (Gemma's sandwich has them)."""
+        return EMPTY, EMPTY
 
     def decode(self, x: torch.Tensor, rope: Rope, kv: PagedKv, rows: QueryRows, slots: torch.Tensor) -> torch.Tensor:
         """`forward` of a step (any rows: a decode's, a verify step's, prefill chunks') in one
@@ -114,7 +132,7 @@ class DecoderLayer(torch.nn.Module):
         return native().decode_layer(
             x, self._decode_operands, cos, sin, kv.keys, kv.values, slots, rows.tables, rows.seq, rows.lens,
             kv.cache.shape[2], rows.window or 0, self.num_heads, self.num_kv_heads, self.scale, self.eps,
-            self.qkv_t.tiles.activations == "int8",
+            self.qkv_t.tiles.activations == "int8", self.softcap or 0.0, self.gelu,
         )  # fmt: skip
 
     def forward(
@@ -142,14 +160,14 @@ class DecoderLayer(torch.nn.Module):
         qkv = linear(h, self.qkv_t, self.qkv_bias)  # [T, (H + 2 KV) * D]
         if batch.lora is not None:
             add_lora(qkv, h, batch.lora, self.index, QKV)
+        if self.qk_norm is not None:  # in place, decode_layer's arithmetic (q's weight row 0, k's row H)
+            head_rms_norm_(qkv, 0, self.num_heads, self.qk_norm[0], self.eps)
+            head_rms_norm_(qkv, self.num_heads, self.num_kv_heads, self.qk_norm[self.num_heads], self.eps)
         qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)  # [T, H + KV, D]
-        if self.qk_norm is not None:
-            qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
         # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half is a
         # roll by D/2 and its sign flip lives in `sin` (see LlamaForCausalLM.rotary); on the CPU
         # in place by decode_layer's own arithmetic (a row's numbers the same in either path).
-        rows = qkv if self.qk_norm is None else qk.view(num_tokens, -1)
-        if not rope_(rows, num_qk, cos, sin):
+        if not rope_(qkv, num_qk, cos, sin):
             qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)

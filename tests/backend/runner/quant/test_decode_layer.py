@@ -1,14 +1,22 @@
 """The fused layer (decode_layer.cpp): a step of a quantized model (prefill or decode rows) in
 one kernel call a layer, against the same model's layer-by-layer path (llama.py `DecoderLayer.forward`),
 on tiny random checkpoints of the architectures it serves: GQA, q/k/v biases, a sliding
-window; sequences of mixed lengths over scattered blocks. Qwen3's q/k norms keep the
-layer-by-layer path."""
+window, Qwen3's q / k norms, Gemma 2 / 3's sandwich norms, GELU, soft-capped scores and two
+RoPE tables; sequences of mixed lengths over scattered blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from backend import kernels
 from backend.runner.forward_batch import Span, build_forward_batch
@@ -28,10 +36,18 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
+GEMMA_LAYERS = dict(head_dim=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
 CONFIGS = {
     "llama-gqa": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
     "qwen2-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "mistral-window": lambda: MistralConfig(**TINY, sliding_window=6, tie_word_embeddings=False),
+    "qwen3-qk-norm": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    # sandwich norms, GELU, soft-capped scores, a sliding layer beside a global one
+    "gemma2": lambda: Gemma2Config(
+        **TINY, **GEMMA_LAYERS, attn_logit_softcapping=3.0, final_logit_softcapping=20.0, query_pre_attn_scalar=32
+    ),  # fmt: skip
+    # and q / k norms, two RoPE tables
+    "gemma3": lambda: Gemma3TextConfig(**TINY, **GEMMA_LAYERS, rope_local_base_freq=1000.0),
 }
 
 
@@ -132,6 +148,6 @@ def test_a_float16_cache_is_written_and_read_alike_fused_and_layer_by_layer(name
 def test_layers_the_fused_call_does_not_cover_keep_their_path(activations, tmp_path):
     qwen3 = Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
     model = _quantized(qwen3, tmp_path / "qwen3", "int4", activations)
-    assert model.layers[0].decode_operands() is None  # q/k norms
+    assert model.layers[0].decode_operands() is not None  # q/k norms: fused
     unquantized = load_model(tmp_path / "qwen3", torch.float32, CPU)
     assert unquantized.layers[0].decode_operands() is None  # float32 linears
