@@ -42,6 +42,7 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
 _VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
@@ -51,6 +52,9 @@ _EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeFo
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _LONGROPE_NAMES = ("su", "yarn")  # Phi-3's older names of longrope (transformers' Phi3Config)
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# vision-language checkpoints whose language model our forward runs as the text model's
+# architecture (their images are not served on it: no vision tower of ours for them)
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def load_model_config(path: str | Path, context: int | None = None) -> ModelConfig:
@@ -109,7 +113,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or [
         _BY_MODEL_TYPE.get(raw.get("model_type"), f"model_type={raw.get('model_type')!r}")
     ]
-    arch = archs[0]
+    arch = LANGUAGE_MODEL_OF.get(archs[0], archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     # Gemma names its activation hidden_activation (GeGLU's gelu, tanh approximation)

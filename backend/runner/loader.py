@@ -31,6 +31,11 @@ MODEL_IMPLS = ("auto", "native", "transformers")  # MODEL_IMPL: which forward ru
 _MTP_PREFIX = "model.mtp_layers."
 # transformers 5 saves a vision-language model's text weights under model.language_model.
 _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
+# a vision-language checkpoint whose language model alone runs on our forward (Gemma 3 4B and
+# up: hf_config.LANGUAGE_MODEL_OF): its text weights' names as the text model's, the rest unread
+_LANGUAGE_MODEL_NAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                         (_TEXT_PREFIX, _LEGACY_TEXT_PREFIX))  # fmt: skip
+_UNREAD_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # our forwards other than LlamaForCausalLM, by architecture (_load_native)
 # our own forward's model class by architecture (the rest: LlamaForCausalLM)
 _NATIVE_CLASSES = {"Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,
@@ -136,8 +141,10 @@ def _load_native(folder: Path, dtype, device, quant: QuantSpec | None, context: 
                 vision_weights[strip_vision_prefix(name)] = tensor.to(device=device, dtype=dtype)
             elif cfg.vision is not None and name.startswith(_TEXT_PREFIX):
                 yield _LEGACY_TEXT_PREFIX + name[len(_TEXT_PREFIX) :], tensor
+            elif cfg.vision is None and name.startswith(_UNREAD_PARTS):
+                continue
             else:
-                yield name, tensor
+                yield _language_model_name(name), tensor
 
     model.load_weights(trunk())
     if cfg.num_mtp_layers:
@@ -150,6 +157,14 @@ def _load_native(folder: Path, dtype, device, quant: QuantSpec | None, context: 
         quantize_model(model, resolve_auto(quant, model, device, gguf_file), gguf_file)
     print(f"model: {cfg.architecture} on our own forward", file=sys.stderr)
     return model.eval()
+
+
+def _language_model_name(name: str) -> str:
+    """A vision-language checkpoint's text weight named as the text model's (others as they are)."""
+    for prefix, ours in _LANGUAGE_MODEL_NAMES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
 
 
 def _raw_model_type(folder: Path) -> str:

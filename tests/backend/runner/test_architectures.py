@@ -36,6 +36,7 @@ from tests.helpers.tiny_checkpoints import (
     engine,
     greedy,
     reference,
+    sharpen,
 )
 
 WINDOW = 8
@@ -207,6 +208,24 @@ def test_a_model_whose_parts_need_a_package_not_installed_is_refused_naming_it(t
     save_file({"unread": torch.zeros(1)}, tmp_path / "model.safetensors")  # the load stops before reading it
     with pytest.raises(ValueError, match="Gemma3nForConditionalGeneration needs a package that is not installed"):
         engine(tmp_path)
+
+
+def test_a_gemma3_vision_language_checkpoint_runs_its_language_model_on_our_forward(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: its language model's weights
+    (language_model.model.*) on our Gemma forward, the vision tower's unread (no images here)."""
+    text = {**DIMS, **GQA, "sliding_window": WINDOW, "layer_types": SLIDING, "rope_local_base_freq": 1000.0}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    sharpen(model, "gemma3")
+    model.save_pretrained(tmp_path)
+    ref, logits = reference(model, PROMPT)
+    eng = engine(tmp_path)
+    assert eng.runner.native and eng.runner.model_config.vision is None
+    tokens, _ = run_to_completion(eng, {"t": greedy()})
+    assert_matches(tokens["t"], ref, logits, "gemma3 (vision-language checkpoint)")
 
 
 def test_model_impl_transformers_runs_a_native_architecture_on_the_generic_path(tmp_path):
