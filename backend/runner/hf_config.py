@@ -116,6 +116,10 @@ def _architecture(raw: dict[str, Any]) -> str:
     arch = LANGUAGE_MODEL_OF.get(archs[0], archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("model_type") and raw["model_type"] not in _BY_MODEL_TYPE:
+        # another family that transformers builds with one of these classes (EXAONE 3 as Llama,
+        # renaming its weights at load): the transformers path, which renames them
+        raise ValueError(f"model_type {raw['model_type']!r} is not one our forward was written for")
     # Gemma names its activation hidden_activation (GeGLU's gelu, tanh approximation)
     act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if arch in _GEMMA else ("hidden_act", "silu")
     if raw.get(act_key, act) != act or raw.get("mlp_bias", False):

@@ -118,7 +118,9 @@ ARCHITECTURES = {
         },
         "transformers",
     ),  # fmt: skip
-    "opt": ({"word_embed_proj_dim": 64}, "transformers"),  # its head calls model.decoder; projected embeddings
+    "opt": ({"word_embed_proj_dim": 64}, "transformers"),
+    # transformers builds it as LlamaForCausalLM, renaming transformer.h.N.* at load: its path
+    "exaone": (GQA, "transformers"),  # its head calls model.decoder; projected embeddings
     # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
     # a shared expert and grouped top-k routing after a dense first layer
     "deepseek_v3": (
