@@ -26,6 +26,7 @@ FAMILIES = {
     "gemma3_text": dict(sliding_window=512, layer_types=SLIDING * 2, query_pre_attn_scalar=64),
     "phi3": dict(partial_rotary_factor=0.75, original_max_position_embeddings=1024,
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 24, "long_factor": [4.0] * 24}),
+    "qwen3": dict(),  # the fused decode layer's q / k norms (docs/speed.md)
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True),
 }  # fmt: skip
 
