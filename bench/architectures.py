@@ -30,7 +30,13 @@ _VERDICTS = ("match", "MISMATCH", "refused", "no checkpoint", "CRASH", "DIED")
 
 
 def check(model_type: str) -> dict[str, object]:
-    """One model type's verdict (in this process)."""
+    """One model type's verdict (in this process); its checkpoint deleted after (a type's
+    defaults can make one of gigabytes: vision towers)."""
+    with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as folder:
+        return _check(model_type, Path(folder))
+
+
+def _check(model_type: str, folder: Path) -> dict[str, object]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -43,7 +49,6 @@ def check(model_type: str) -> dict[str, object]:
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**DIMS, **extra})).eval()
             sharpen(model, model_type)
-            folder = Path(tempfile.mkdtemp(prefix=f"sweep-{model_type}-"))
             model.save_pretrained(folder)
             ref, logits = reference(model, PROMPT)
             break
