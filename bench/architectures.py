@@ -10,7 +10,14 @@ type runs in a process of its own (a crash or a hang costs that type alone) and 
   4 layers of 128; not a verdict on the engine);
 - CRASH / DIED: anything else (a bug of ours).
 
+With --gguf, each checkpoint (the default model's tokenizer and vocabulary, 49152) is first
+written as an F32 GGUF file by llama.cpp's own converter (`convert_hf_to_gguf.py` of a source
+tree, with its `gguf-py`; it needs `sentencepiece`), and the engine serves that file, as a user
+with a downloaded GGUF runs it; the reference is still transformers on the folder. A type the
+converter does not take is "no file" (not a verdict on the engine).
+
     python -m bench.architectures [--types llama gemma4_text ...] [--timeout 300]
+    python -m bench.architectures --gguf LLAMA_CPP/convert_hf_to_gguf.py [--types ...]
 
 Without --types: every model type transformers maps to a causal LM, but the encoders.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,17 +34,23 @@ from pathlib import Path
 
 from bench.figures import describe_cpu
 
-_VERDICTS = ("match", "MISMATCH", "refused", "no checkpoint", "CRASH", "DIED")
+_VERDICTS = ("match", "MISMATCH", "refused", "no checkpoint", "no file", "CRASH", "DIED")
 
 
-def check(model_type: str) -> dict[str, object]:
+def check(model_type: str, converter: str | None = None) -> dict[str, object]:
     """One model type's verdict (in this process); its checkpoint deleted after (a type's
     defaults can make one of gigabytes: vision towers)."""
-    with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as folder:
-        return _check(model_type, Path(folder))
+    from backend.settings.paths import cache_dir
+
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as folder:
+            return _check(model_type, Path(folder), converter)
+    finally:  # a GGUF file's prepared folder (config, tokenizer)
+        for prepared in (cache_dir() / "models").glob(f"sweep-{model_type}-F32-gguf-*"):
+            shutil.rmtree(prepared, ignore_errors=True)
 
 
-def _check(model_type: str, folder: Path) -> dict[str, object]:
+def _check(model_type: str, folder: Path, converter: str | None) -> dict[str, object]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -44,20 +58,29 @@ def _check(model_type: str, folder: Path) -> dict[str, object]:
     from tests.helpers.tiny_checkpoints import DIMS, GQA, PROMPT, engine, first_divergence, greedy, reference, sharpen
 
     failure = ""
-    for extra in (GQA, {}):  # grouped-query heads of 32 where the config takes them
+    vocab = {"vocab_size": len(_tokenizer())} if converter else {}  # no padding rows (converters trim them)
+    dims = {**DIMS, **vocab, **_CONVERTER_ASSUMES.get(model_type, {})} if converter else DIMS
+    for extra in (
+        (GQA, {}) if model_type not in _CONVERTER_ASSUMES else ({},)
+    ):  # grouped-query heads of 32 where the config takes them
         try:
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**DIMS, **extra})).eval()
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**dims, **extra})).eval()
             sharpen(model, model_type)
-            model.save_pretrained(folder)
+            model.save_pretrained(folder / "hf")
             ref, logits = reference(model, PROMPT)
             break
         except Exception as e:
             failure = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
     else:
         return {"verdict": "no checkpoint", "why": failure}
+    served = folder / "hf"
+    if converter:
+        served, failure = _converted(served, converter, model_type)
+        if served is None:
+            return {"verdict": "no file", "why": failure}
     try:
-        eng = engine(folder)
+        eng = engine(served)
         tokens, _ = run_to_completion(eng, {"t": greedy()})
     except ValueError as e:
         reason = str(e).split(". Our own forward")[0].split(" is not served: ")[-1]
@@ -71,6 +94,62 @@ def _check(model_type: str, folder: Path) -> dict[str, object]:
     return {"verdict": "MISMATCH", "path": path, "why": f"step {divergence[0]}"}
 
 
+# shapes a converter takes for granted, as the real checkpoints have them (Phi-2: an MLP 4 x
+# hidden wide, no grouped KV heads; its rotary share, 0.4, not transformers' default; the MLA
+# models: as many KV heads as heads)
+_CONVERTER_ASSUMES = {"phi": {"intermediate_size": 4 * 128, "partial_rotary_factor": 0.4}}
+_MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
+_CONVERTER_ASSUMES |= dict.fromkeys(_MLA, {"num_key_value_heads": 4})
+# special tokens some converters look up by name (GLM's), added to the default model's
+# tokenizer, which llama.cpp's converter knows
+_CONVERTERS_LOOK_UP = ["<|endoftext|>", "<|startoftext|>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",
+                       "<|observation|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "sop", "eop"]  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _converted(folder: Path, converter: str, model_type: str) -> tuple[Path | None, str]:
+    """The checkpoint in `folder` as an F32 GGUF file by llama.cpp's converter, or (None, why
+    not): with the default model's BPE tokenizer, else (a converter that wants a SentencePiece
+    model, or that transformers gives a tokenizer class of its type, whose hash the converter
+    does not know) a small SentencePiece model trained here on the docs."""
+    _tokenizer().save_pretrained(folder)
+    out = folder.parent / f"sweep-{model_type}-F32.gguf"
+    cmd = [sys.executable, converter, str(folder), "--outtype", "f32", "--outfile", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 and ("tokenizer.model" in done.stderr or "pre-tokenizer" in done.stderr):
+        _sentencepiece(folder)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+        return None, " ".join((errors or done.stderr.splitlines() or ["failed"])[-1].split())[:200]
+    return out, ""
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from backend.settings.paths import cache_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(cache_dir() / "models" / "SmolLM2-135M-Instruct")  # `make setup`
+    tokenizer.add_special_tokens({"additional_special_tokens": _CONVERTERS_LOOK_UP})
+    return tokenizer
+
+
+def _sentencepiece(folder: Path) -> None:
+    """A SentencePiece BPE model of 1000 pieces (byte fallback) in `folder`, in place of the BPE
+    tokenizer's files."""
+    import sentencepiece
+
+    for name in _TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text().splitlines()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text if line.strip()]), model_prefix=str(folder / "tokenizer"),
+        vocab_size=1000, model_type="bpe", byte_fallback=True, minloglevel=2,
+    )  # fmt: skip
+    (folder / "tokenizer.vocab").unlink()
+
+
 def decoder_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
@@ -78,9 +157,10 @@ def decoder_types() -> list[str]:
     return sorted(t for t in CAUSAL if t not in MASKED)
 
 
-def run(model_type: str, timeout: float) -> dict[str, object]:
+def run(model_type: str, timeout: float, converter: str | None) -> dict[str, object]:
     """`check(model_type)` in a process of its own."""
     cmd = [sys.executable, "-m", "bench.architectures", "--one", model_type]
+    cmd += ["--gguf", converter] if converter else []
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,15 +175,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every decoder-only one)")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--gguf", metavar="CONVERTER", help="llama.cpp's convert_hf_to_gguf.py: serve GGUF files")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(check(args.one)))
+        print(json.dumps(check(args.one, args.gguf)))
         return
     print(f"# {describe_cpu()}")
     counts = dict.fromkeys(_VERDICTS, 0)
     for model_type in args.types or decoder_types():
-        result = run(model_type, args.timeout)
+        result = run(model_type, args.timeout, args.gguf)
         counts[str(result["verdict"])] += 1
         where = f" ({result['path']} path)" if "path" in result else ""
         why = f": {result['why']}" if "why" in result else ""

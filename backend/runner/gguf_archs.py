@@ -6,7 +6,8 @@ the q / k rows (`permute`: Granite, SmolLM3 and OLMo, whose converters derive fr
 Llama's) or Gemma's norms stored as 1 + w (`norm`). `register` adds them to transformers'
 tables once, in the process that reads files: the prepared folder's config and tokenizer, and
 the transformers path's load of the weights (backend/runner/transformers_loader.py) both go
-through transformers' reader.
+through transformers' reader. Any other architecture of a file is taught from the file itself
+where transformers has a decoder of it (backend/runner/gguf_generic.py).
 
 What a file leaves out comes from the transformers config's defaults, which are the
 checkpoints': SmolLM3's NoPE layers (every 4th layer without RoPE; llama.cpp assumes the
@@ -17,6 +18,10 @@ same), Granite's head size (hidden / heads; its converter drops head_dim), Gemma
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import Any
+
+from backend.runner.gguf_generic import taught, teach, wrap
 
 _LLAMA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -50,16 +55,40 @@ ARCHITECTURES: dict[str, tuple[dict[str, str], str | None]] = {
     "olmo2": (_LLAMA_KEYS, None),
     "smollm3": (_LLAMA_KEYS, "permute"),
 }
-# keys of these architectures' files that say the file is a variant transformers' model of
-# that name does not compute (OLMo 3 is written as "olmo2" with sliding windows)
-REFUSED_KEYS = {"olmo2": ("attention.sliding_window",)}
 
+# key namespaces of any file, not the architecture's: what it is, its tokenizer, how it was
+# split or quantized
+_COMMON = ("general.", "tokenizer.", "split.", "quantize.", "GGUF.")
 _lock = threading.Lock()
 _registered = False
 
 
-def register() -> None:
-    """Teach transformers' GGUF reader ARCHITECTURES (idempotent, thread-safe)."""
+def register(source: Path | None = None) -> None:
+    """Teach transformers' GGUF reader ARCHITECTURES (idempotent, thread-safe), and the
+    architecture of file `source` where neither knows it (backend/runner/gguf_generic.py)."""
+    _register_table()
+    if source is None:
+        return
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    fields = GGUFReader(source).fields
+    arch = field_value(fields["general.architecture"]) if "general.architecture" in fields else None
+    if arch is not None and (taught(arch) or arch not in GGUF_CONFIG_MAPPING):  # each file's keys checked
+        prefix = f"{arch}."
+        values = {k.removeprefix(prefix): field_value(f) for k, f in fields.items() if k.startswith(prefix)}
+        teach(arch, values, [k for k in fields if not k.startswith((prefix, *_COMMON))], source)
+
+
+def field_value(field) -> Any:
+    """A scalar or string field's value of a GGUFReader (arrays: None)."""
+    if len(field.types) != 1:
+        return None
+    part = field.parts[-1]
+    return bytes(part).decode() if field.types[0].name == "STRING" else part[0].item()
+
+
+def _register_table() -> None:
     global _registered
     with _lock:
         if _registered:
@@ -67,6 +96,7 @@ def register() -> None:
         from transformers import modeling_gguf_pytorch_utils as reader
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+        wrap()
         processors = {"permute": reader.LlamaTensorProcessor, "norm": reader.Gemma2TensorProcessor}
         for arch, (keys, undo) in ARCHITECTURES.items():
             if arch in GGUF_CONFIG_MAPPING:  # a newer transformers reads it itself
@@ -77,11 +107,3 @@ def register() -> None:
             if undo is not None:
                 reader.TENSOR_PROCESSORS[arch] = processors[undo]
         _registered = True
-
-
-def refused_variant(arch: str, fields: dict[str, object]) -> str | None:
-    """Why a file of a registered architecture is not served, or None."""
-    for key in REFUSED_KEYS.get(arch, ()):
-        if fields.get(f"{arch}.{key}") is not None:
-            return f"its {arch}.{key} (a variant the {arch} model does not compute: OLMo 3 is not read from GGUF yet)"
-    return None

@@ -13,34 +13,95 @@ from typing import Any
 
 import numpy as np
 
-from backend.runner.gguf_archs import refused_variant
+from backend.runner.gguf_archs import ARCHITECTURES, field_value
+from backend.runner.gguf_generic import taught
 
 _EXPERT_WIDTH = "expert_feed_forward_length"  # -> moe_intermediate_size
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # how llama.cpp tells the 27B models
+_ROPE_SCALING = {
+    "rope.scaling.factor": "factor",
+    "rope.scaling.original_context_length": "original_max_position_embeddings",
+    "rope.scaling.attn_factor": "attention_factor",
+    "rope.scaling.yarn_attn_factor": "attention_factor",
+    "rope.scaling.yarn_beta_fast": "beta_fast",
+    "rope.scaling.yarn_beta_slow": "beta_slow",
+}
+_NOT_CARRIED = ("model_type", "architectures", "transformers_version", "rope_parameters", "layer_types", "dtype")
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
 def fill_gaps(config, source: Path):
-    """`config` with the file's missing settings (a MixtralConfig in place of a Llama one)."""
+    """`config` with the file's missing settings (a MixtralConfig in place of a Llama one, an
+    OLMo 3 one in place of OLMo 2's) and its vocabulary as its embedding's rows."""
     from gguf import GGUFReader
 
     reader = GGUFReader(source)
-    fields = {key: _value(field) for key, field in reader.fields.items()}
+    fields = {key: field_value(field) for key, field in reader.fields.items()}
     arch = fields["general.architecture"]
-    refusal = refused_variant(arch, fields)
-    if refusal is not None:
-        raise ValueError(f"{source.name}: {refusal}")
+    local = {k.removeprefix(f"{arch}."): v for k, v in fields.items()}
+    if config.model_type == "olmo2" and local.get("attention.sliding_window"):
+        config = _olmo3(config, int(local["attention.sliding_window"]))
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None:  # the rows the file has (converters trim a checkpoint's padding rows)
+        config.vocab_size = int(embedding.shape[-1])
     if config.model_type == "llama" and fields.get("llama.expert_count"):
         config = _mixtral(config, fields)
     width = fields.get(f"{arch}.{_EXPERT_WIDTH}")
     if width is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(width)
     if config.model_type in _GEMMA_27B_LAYERS:
-        _gemma(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()})
+        _gemma(config, local)
+    if taught(arch) or arch in ARCHITECTURES:  # what transformers' reader would not read for us
+        try:
+            _generic(config, local, reader.fields, arch)
+        except ValueError as e:
+            raise ValueError(f"{source.name}: {e}") from None
     if config.model_type == "phi3":
         tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name.startswith("rope_")}
-        _phi3_rope(config, {k.removeprefix(f"{arch}."): v for k, v in fields.items()}, tensors)
+        _phi3_rope(config, local, tensors)
     return config
+
+
+def _olmo3(config, window: int):
+    """An "olmo2" file with sliding windows is OLMo 3 (llama.cpp writes it so): its config,
+    every 4th layer global unless the file says which (`_generic`)."""
+    from transformers import Olmo3Config
+
+    values = {k: v for k, v in config.to_dict().items() if k not in _NOT_CARRIED}
+    theta = (config.rope_parameters or {}).get("rope_theta")
+    return Olmo3Config(**values, sliding_window=window, **({"rope_theta": theta} if theta else {}))
+
+
+def _generic(config, fields: dict[str, Any], raw, arch: str) -> None:
+    """A file's rotary share (`rope.dimension_count` of a head), which layers slide
+    (`attention.sliding_window_pattern`, a bool a layer) and its RoPE scaling."""
+    rotary = fields.get("rope.dimension_count")
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if rotary is not None and (rotary != head or "partial_rotary_factor" in params):
+        if not params:
+            raise ValueError(f"its {arch}.rope.dimension_count ({rotary} of a head of {head}) has no field "
+                             f"in transformers' {config.model_type} config")  # fmt: skip
+        config.rope_parameters = {**params, "partial_rotary_factor": rotary / head}
+    pattern = raw.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None:
+        slides = [bool(x) for x in pattern.contents()]
+        config.layer_types = ["sliding_attention" if s else "full_attention" for s in slides]
+    _rope_scaling(config, fields, arch)
+
+
+def _rope_scaling(config, fields: dict[str, Any], arch: str) -> None:
+    """Linear or YaRN RoPE scaling as llama.cpp writes it (its global layers' where the config
+    keeps RoPE by layer type)."""
+    kind = fields.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"its {arch}.rope.scaling.type {kind!r} is not read (linear and yarn are)")
+    scaling = {name: fields[key] for key, name in _ROPE_SCALING.items() if fields.get(key) is not None}
+    params = {key: dict(value) if isinstance(value, dict) else value for key, value in config.rope_parameters.items()}
+    (params["full_attention"] if "full_attention" in params else params).update(rope_type=kind, **scaling)
+    config.rope_parameters = params
 
 
 def _gemma(config, fields: dict[str, Any]) -> None:
@@ -89,11 +150,3 @@ def _phi3_rope(config, fields: dict[str, Any], tensors: dict[str, np.ndarray]) -
         if fields.get("rope.scaling.attn_factor"):
             params["attention_factor"] = float(fields["rope.scaling.attn_factor"])
     config.rope_parameters = params
-
-
-def _value(field) -> Any:
-    """A scalar or string field's value (arrays: None; the tokenizer's are not needed here)."""
-    if len(field.types) != 1:
-        return None
-    part = field.parts[-1]
-    return bytes(part).decode() if field.types[0].name == "STRING" else part[0].item()

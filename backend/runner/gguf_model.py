@@ -18,7 +18,7 @@ from backend.settings.paths import GGUF_SOURCE_FILE as SOURCE
 from backend.settings.paths import cache_dir, gguf_source_file
 
 _TOKENIZER_KEY = b"tokenizer.ggml.model"
-_LAYOUT = 2  # what a prepared folder holds; a new one prepares every file again (2: Mixtral files)
+_LAYOUT = 3  # what a prepared folder holds; a new one prepares every file again (3: the embedding's rows)
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -88,7 +88,7 @@ def _write_folder(source: Path, out: Path) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
-    register_gguf_architectures()
+    register_gguf_architectures(source)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except ValueError as e:  # "GGUF model with architecture X is not supported yet."

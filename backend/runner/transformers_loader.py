@@ -116,7 +116,8 @@ def load_transformers_model(
     register_attention()
     hf_config = AutoConfig.from_pretrained(folder)
     source = gguf_source(folder)  # a GGUF file: transformers dequantizes its tensors
-    register_gguf_architectures()
+    if source is not None:
+        register_gguf_architectures(source)
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
     try:

@@ -166,13 +166,13 @@ def write_phi3(
 
 def write_from_hf(
     path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False,
-    norm_shift: float = 0.0,
+    norm_shift: float = 0.0, extra: list[tuple[str, object, GGUFValueType]] = (),
 ) -> Path:  # fmt: skip
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
     gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
     (q / k rows `permuted` as the converter does for Llama-derived models, `norm_shift` added
     to every norm as it does for Gemma's); `settings`: GGUFWriter.add_<key> values
-    (block_count ...), plus the default model's tokenizer."""
+    (block_count ...), `extra` (key, value, type) as they are, plus the default model's tokenizer."""
     import gguf
 
     writer = GGUFWriter(path, arch)
@@ -180,6 +180,8 @@ def write_from_hf(
         getattr(writer, f"add_{name}")(value)
     for key, value, kind, item in tokenizer_fields():
         writer.add_key_value(key, value, kind, sub_type=item)
+    for key, value, kind in extra:
+        writer.add_key_value(key, value, kind)
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     names = gguf.get_tensor_name_map(model_arch, settings["block_count"])
     tied = model.config.tie_word_embeddings

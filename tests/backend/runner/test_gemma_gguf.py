@@ -39,8 +39,9 @@ CASES = {
 }  # fmt: skip
 
 
-def reference_and_file(tmp_path, arch: str):
+def reference_and_file(tmp_path, arch: str, **extra):
     overrides, metadata = CASES[arch]
+    metadata = {**metadata, **extra}
     config = AutoConfig.for_model("gemma3_text" if arch == "gemma3" else arch, **{**DIMS, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -65,6 +66,21 @@ def reference_and_file(tmp_path, arch: str):
 def test_a_gemma_file_on_our_own_forward_gives_transformers_tokens(tmp_path, monkeypatch, arch):
     monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
     source, ref, expected = reference_and_file(tmp_path, arch)
+    served_as_transformers(source, ref, expected)
+
+
+def test_a_file_whose_converter_cut_the_padding_rows_serves_the_rows_it_has(tmp_path, monkeypatch):
+    """llama.cpp's Gemma converter cuts the embedding's rows past the tokenizer's (Gemma 3 4B
+    and up: 262208 in the checkpoint, 262144 in the file) but writes the checkpoint's
+    vocabulary: the file's rows are what is served (a vocabulary larger than the embedding was
+    refused), the same tokens as transformers on the cut checkpoint."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    source, ref, expected = reference_and_file(tmp_path, "gemma3", vocab_size=VOCAB + 64)
+    eng = served_as_transformers(source, ref, expected)
+    assert eng.runner.model.config.vocab_size == VOCAB
+
+
+def served_as_transformers(source, ref: list[int], expected: torch.Tensor) -> LLMEngine:
     eng = LLMEngine(EngineConfig(model_path=str(source), max_loras=0, speculative="off", quant="auto",
                                  quant_activations="float32", kv_cache_dtype="float32"))  # fmt: skip
     assert eng.runner.native
@@ -79,3 +95,4 @@ def test_a_gemma_file_on_our_own_forward_gives_transformers_tokens(tmp_path, mon
     assert tokens == ref
     for i, token in enumerate(ref):
         assert abs(logprobs[i] - float(expected[i, token])) < 1e-3, i
+    return eng

@@ -138,13 +138,3 @@ def test_a_gguf_file_of_an_architecture_transformers_reader_lacks(tmp_path, monk
     assert eng.runner.model.config.architecture == type(model).__name__
     assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())  # q / k too
     assert_close(tokens, logprobs, *greedy_reference(model))
-
-
-def test_an_olmo3_file_written_as_olmo2_is_refused_in_one_line(tmp_path, monkeypatch):
-    """llama.cpp writes OLMo 3 as an "olmo2" file with sliding windows: not OLMo 2's numbers."""
-    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
-    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
-                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-6, "sliding_window": 64}  # fmt: skip
-    source = write_from_hf(tmp_path / "olmo3.Q8_0.gguf", build("olmo2"), "olmo2", "Q8_0", settings)
-    with pytest.raises(ValueError, match=r"olmo2\.attention\.sliding_window.*OLMo 3 is not read from GGUF"):
-        gguf_model.model_folder(source)

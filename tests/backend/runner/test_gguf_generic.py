@@ -1,0 +1,69 @@
+"""GGUF files of architectures neither transformers' reader nor our table knows, read
+generically (backend/runner/gguf_generic.py): the file's architecture names the model type
+(through an alias where llama.cpp's name differs), each key goes to the config field that holds
+it, a key no field takes is refused in one line. Written here as llama.cpp's converter writes
+them (names, keys, permuted q / k rows); `python -m bench.architectures --gguf` runs the
+converter itself on every type it takes."""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGUFValueType, RopeScalingType
+
+from backend.runner import gguf_model
+from backend.runner.quant.formats import QuantizedWeight
+from tests.backend.runner.test_transformers_quant import assert_close, build, greedy_reference, linears, serve
+from tests.helpers.gguf_files import file_numbers, write_from_hf
+
+# (model type, the file's architecture, the checkpoint's non-default settings, the file's keys
+# for them, what the converter did to the tensors)
+GENERIC = [
+    # Command-R: llama.cpp's name differs; tied embeddings, a logit scale, LayerNorm
+    ("cohere", "command-r", {"logit_scale": 0.25}, {"logit_scale": 0.25, "layer_norm_eps": 1e-5}, {}),
+    # Phi-2: a quarter of each head turned (the config's default is half)
+    ("phi", "phi2", {"partial_rotary_factor": 0.25}, {"rope_dimension_count": 8, "layer_norm_eps": 1e-5}, {}),
+    # Arcee: its converter derives from Llama's, q / k rows permuted
+    ("arcee", "arcee", {}, {"layer_norm_rms_eps": 1e-5}, {"permuted": True}),
+    # EXAONE 4: which layers slide, a bool a layer (not the config's default pattern)
+    ("exaone4", "exaone4", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+     {"layer_norm_rms_eps": 1e-5, "sliding_window": 8, "sliding_window_pattern": [True, False]}, {}),
+    # OLMo 3, which llama.cpp writes as "olmo2" with sliding windows; YaRN on its global layers
+    ("olmo3", "olmo2", {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"], "rope_theta": 5e5,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     {"layer_norm_rms_eps": 1e-5, "sliding_window": 8, "sliding_window_pattern": [False, True], "rope_freq_base": 5e5,
+      "rope_scaling_type": RopeScalingType.YARN, "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx_len": 16}, {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "overrides", "metadata", "written"), GENERIC, ids=[g[0] for g in GENERIC]
+)
+def test_a_gguf_file_of_an_architecture_read_generically_gives_its_checkpoints_tokens(
+    tmp_path, monkeypatch, model_type, arch, overrides, metadata, written
+):
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")  # the prepared folder; kernels built once
+    model = build(model_type, **overrides)
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, **metadata}  # fmt: skip
+    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, arch, "Q8_0", settings, **written)
+    file_numbers(model)
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == type(model).__name__
+    assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def test_a_key_no_config_field_takes_is_refused_in_one_line_naming_it(tmp_path, monkeypatch):
+    """A setting the generic reading would drop (the model would compute other numbers than the
+    file's) stops the load, naming the key."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_eps": 1e-5}  # fmt: skip
+    source = tmp_path / "cohere.Q8_0.gguf"
+    write_from_hf(source, build("cohere"), "command-r", "Q8_0", settings,
+                  extra=[("command-r.expert_count", 8, GGUFValueType.UINT32)])  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"cohere\.Q8_0\.gguf: .*cohere config has no field for command-r\.expert_count"
+    ) as e:
+        gguf_model.model_folder(source)
+    assert "\n" not in str(e.value)
