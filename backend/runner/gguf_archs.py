@@ -21,7 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from backend.runner.gguf_generic import taught, teach, wrap
+from backend.runner.gguf_generic import supplement, taught, teach, wrap
+from backend.runner.gguf_gpt_oss import processor_class as gpt_oss_processor
 
 _LLAMA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -59,6 +60,8 @@ ARCHITECTURES: dict[str, tuple[dict[str, str], str | None]] = {
 # key namespaces of any file, not the architecture's: what it is, its tokenizer, how it was
 # split or quantized
 _COMMON = ("general.", "tokenizer.", "split.", "quantize.", "GGUF.")
+# file architectures transformers' reader reads under another name (its load_gguf_checkpoint)
+_READER_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 _lock = threading.Lock()
 _registered = False
 
@@ -74,10 +77,14 @@ def register(source: Path | None = None) -> None:
 
     fields = GGUFReader(source).fields
     arch = field_value(fields["general.architecture"]) if "general.architecture" in fields else None
-    if arch is not None and (taught(arch) or arch not in GGUF_CONFIG_MAPPING):  # each file's keys checked
-        prefix = f"{arch}."
-        values = {k.removeprefix(prefix): field_value(f) for k, f in fields.items() if k.startswith(prefix)}
+    if arch is None:
+        return
+    prefix, known = f"{arch}.", _READER_RENAMES.get(arch, arch)
+    values = {k.removeprefix(prefix): field_value(f) for k, f in fields.items() if k.startswith(prefix)}
+    if taught(arch) or known not in GGUF_CONFIG_MAPPING:  # each file's keys checked
         teach(arch, values, [k for k in fields if not k.startswith((prefix, *_COMMON))], source)
+    else:  # keys transformers' table for it lacks (gpt-oss' attention.key_length, attention.sliding_window)
+        supplement(known, values)
 
 
 def field_value(field) -> Any:
@@ -97,6 +104,7 @@ def _register_table() -> None:
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
         wrap()
+        reader.TENSOR_PROCESSORS["gpt-oss"] = gpt_oss_processor()  # the file's name; 5.24 keys its own by gpt_oss
         processors = {"permute": reader.LlamaTensorProcessor, "norm": reader.Gemma2TensorProcessor}
         for arch, (keys, undo) in ARCHITECTURES.items():
             if arch in GGUF_CONFIG_MAPPING:  # a newer transformers reads it itself

@@ -56,6 +56,10 @@ def fill_gaps(config, source: Path):
             _generic(config, local, reader.fields, arch)
         except ValueError as e:
             raise ValueError(f"{source.name}: {e}") from None
+    if config.model_type == "gpt_oss":  # transformers' reader (5.24) reads its rope.scaling.* as raw bytes
+        theta = local.get("rope.freq_base")
+        config.rope_parameters = {**type(config)().rope_parameters, **({"rope_theta": float(theta)} if theta else {})}
+        _rope_scaling(config, local, arch)
     if config.model_type == "phi3":
         tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name.startswith("rope_")}
         _phi3_rope(config, local, tensors)
@@ -83,6 +87,13 @@ def _generic(config, fields: dict[str, Any], raw, arch: str) -> None:
             raise ValueError(f"its {arch}.rope.dimension_count ({rotary} of a head of {head}) has no field "
                              f"in transformers' {config.model_type} config")  # fmt: skip
         config.rope_parameters = {**params, "partial_rotary_factor": rotary / head}
+    nextn = fields.get("nextn_predict_layers")
+    if nextn:  # llama.cpp counts the multi-token-prediction layers in block_count; transformers does not
+        config.num_nextn_predict_layers = int(nextn)
+        config.num_hidden_layers -= int(nextn)
+        for name in ("layer_types", "mlp_layer_types"):
+            if isinstance(getattr(config, name, None), list):
+                setattr(config, name, getattr(config, name)[: config.num_hidden_layers])
     pattern = raw.get(f"{arch}.attention.sliding_window_pattern")
     if pattern is not None:
         slides = [bool(x) for x in pattern.contents()]

@@ -56,15 +56,24 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "expert_feed_forward_length": ("moe_intermediate_size",),
     "expert_shared_count": ("n_shared_experts", "num_shared_experts"),
     "leading_dense_block_count": ("first_k_dense_replace",),
+    "expert_group_count": ("n_group",),
+    "expert_group_used_count": ("topk_group",),
     "expert_weights_scale": ("routed_scaling_factor",),
     "expert_weights_norm": ("norm_topk_prob",),
     "logit_scale": ("logit_scale", "logits_scaling"),
+    "attention.scale": ("attention_multiplier",),
+    "embedding_scale": ("embedding_multiplier",),
+    "residual_scale": ("residual_multiplier",),
     "attn_logit_softcapping": ("attn_logit_softcapping",),
     "final_logit_softcapping": ("final_logit_softcapping",),
 }
 # keys gguf_gaps reads (the rotary share; each layer sliding or not: an array; RoPE scaling),
 # with the config field they need (None: none)
-READ_ELSEWHERE = {"rope.dimension_count": None, "attention.sliding_window_pattern": "layer_types"}
+READ_ELSEWHERE = {
+    "rope.dimension_count": None,
+    "attention.sliding_window_pattern": "layer_types",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+}
 READ_ELSEWHERE |= {
     f"rope.scaling.{key}": "rope_parameters"
     for key in (
@@ -77,6 +86,9 @@ READ_ELSEWHERE |= {
         "yarn_beta_slow",
     )
 }
+# how each mixture's router scores the experts, where its modeling code fixes it (llama.cpp's
+# `expert_gating_func`: 1 softmax, 2 sigmoid)
+_GATING = {"glm4_moe": 2}
 # a model type transformers has for a variant of an architecture (OLMo 3 is written as "olmo2"
 # with sliding windows: gguf_gaps makes its config) -> the file architecture naming its tensors
 VARIANTS = {"olmo3": "olmo2"}
@@ -100,18 +112,17 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
     """Teach transformers' reader file architecture `arch` (its file keys' values, without the
     `<arch>.` prefix); ValueError, one line, where the file holds a key no field takes or keys of
     another namespace (`foreign`: Apertus' `xielu.*` activation parameters)."""
-    from transformers import AutoConfig
 
     model_type = model_type_of(arch)
     if model_type is None:
         return  # transformers' own refusal names the architectures read
-    defaults = AutoConfig.for_model(model_type)
+    defaults = _defaults(model_type)
     fields, unread = {}, list(foreign)
     for key, value in values.items():
         field = next((f for f in _FIELDS.get(key, ()) if _holds(defaults, f)), None)
         if field is not None:
             fields[key] = field
-        elif not _elsewhere(defaults, key) and not _implied(key, value, values):
+        elif not _elsewhere(defaults, key) and not _implied(key, value, values, model_type):
             unread.append(key)
     if unread:
         names = ", ".join(key if key in foreign else f"{arch}.{key}" for key in unread)
@@ -121,9 +132,32 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
         _install(arch, model_type, fields)
 
 
+def supplement(arch: str, values: dict[str, Any]) -> None:
+    """The standard keys of a file of an architecture transformers' reader reads (under `arch`,
+    its name there) that its table lacks, where the config holds them; none refused."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    model_type = model_type_of(arch)
+    if model_type is None:
+        return
+    defaults = _defaults(model_type)
+    with _lock:
+        table = GGUF_CONFIG_MAPPING[arch]
+        for key in values:
+            field = next((f for f in _FIELDS.get(key, ()) if _holds(defaults, f)), None)
+            if key not in table and field is not None:
+                table[key] = field
+
+
 def taught(arch: str) -> bool:
     """Whether file architecture `arch` was taught here (gguf_gaps then reads the rest)."""
     return arch in _taught
+
+
+def _defaults(model_type: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type)
 
 
 def _elsewhere(config, key: str) -> bool:
@@ -135,13 +169,13 @@ def _holds(config, field: str) -> bool:
     return hasattr(config, field) or (field == "rope_theta" and hasattr(config, "rope_parameters"))
 
 
-def _implied(key: str, value: Any, values: dict[str, Any]) -> bool:
-    """Whether the file's `key` says what the config computes anyway: a head size of hidden /
-    heads."""
+def _implied(key: str, value: Any, values: dict[str, Any], model_type: str) -> bool:
+    """Whether the file's `key` says what the model computes anyway: a head size of hidden /
+    heads, the router's scoring function."""
     if key in ("attention.key_length", "attention.value_length"):
         heads = values.get("attention.head_count")
         return bool(heads) and value == values.get("embedding_length", 0) // heads
-    return False
+    return key == "expert_gating_func" and _GATING.get(model_type) == value
 
 
 def _install(arch: str, model_type: str, fields: dict[str, str]) -> None:
@@ -155,6 +189,8 @@ def _install(arch: str, model_type: str, fields: dict[str, str]) -> None:
         reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
         if arch in PERMUTED:
             reader.TENSOR_PROCESSORS[arch] = reader.LlamaTensorProcessor
+        elif "expert_count" in fields:  # stacked experts into transformers 5's fused gate_up_proj / down_proj
+            reader.TENSOR_PROCESSORS[arch] = _stacked_experts(reader)
         _taught[arch] = model_type
     GGUF_CONFIG_MAPPING[arch].update(fields)
 
@@ -173,12 +209,50 @@ def wrap() -> None:
         parsed = load(*args, **kwargs)
         config = parsed.get("config", {})
         config["model_type"] = _taught.get(config.get("model_type"), config.get("model_type"))
+        scaling = config.get("rope_scaling")
+        if isinstance(scaling, dict) and any(type(v).__module__.startswith("numpy") for v in scaling.values()):
+            del config["rope_scaling"]  # gpt-oss' read as raw parts (5.24); gguf_gaps reads it from the file
         return parsed
 
     def get_gguf_hf_weights_map(hf_model, processor, model_type=None, *args, **kwargs):
         model_type = hf_model.config.model_type if model_type is None else model_type
         archs = [arch for arch, taught in _taught.items() if taught == model_type]
         arch = archs[0] if archs else VARIANTS.get(model_type, model_type)
-        return weights_map(hf_model, processor, arch, *args, **kwargs)
+        mapping = weights_map(hf_model, processor, arch, *args, **kwargs)
+        top = not args and not kwargs.get("qual_name")  # the model itself, not one of its children
+        return mapping | _underscored_biases(hf_model, arch, mapping) if top else mapping
 
     reader.load_gguf_checkpoint, reader.get_gguf_hf_weights_map = load_gguf_checkpoint, get_gguf_hf_weights_map
+
+
+def _underscored_biases(hf_model, arch: str, mapping: dict[str, str]) -> dict[str, str]:
+    """Parameters named `<x>_bias` (a router's `e_score_correction_bias`), which gguf-py's
+    table knows as `<x>` + `.bias` (blk.N.exp_probs_b.bias) and transformers' map misses."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    model_arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == arch), None)
+    if model_arch is None:
+        return {}
+    names = get_tensor_name_map(model_arch, hf_model.config.num_hidden_layers)
+    mapped = set(mapping.values())
+    found = {}
+    for name in hf_model.state_dict():
+        gguf_name = names.get_name(name.removesuffix("_bias")) if name.endswith("_bias") else None
+        if gguf_name is not None and name not in mapped:
+            found[f"{gguf_name}.bias"] = name
+    return found
+
+
+def _stacked_experts(reader):
+    """transformers' processor of stacked expert tensors into fused `mlp.experts.gate_up_proj` /
+    `down_proj`, leaving a file's expert tensors unread where the model keeps its experts
+    otherwise (its load then refuses the weights it misses: transformers_loader)."""
+
+    class StackedExperts(reader.Qwen2MoeTensorProcessor):
+        def process(self, weights, name: str, **kwargs):
+            try:
+                return super().process(weights, name, **kwargs)
+            except KeyError:
+                return reader.GGUFTensor(weights, name, {})
+
+    return StackedExperts

@@ -121,8 +121,8 @@ def load_transformers_model(
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION
+        hf_model, loading = AutoModelForCausalLM.from_pretrained(
+            **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION, output_loading_info=True
         )
     except KeyError as e:  # modeling code that picks its attention class by name (Falcon)
         if ATTENTION not in str(e):
@@ -132,6 +132,10 @@ def load_transformers_model(
     except ImportError as e:  # a part built on a package not installed (Gemma 3n's vision tower: timm)
         why = " ".join(str(e).split())[:200] or "transformers names none"
         raise NotServable(f"{class_name} needs a package that is not installed ({why})") from None
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # transformers would start them at random
+        raise NotServable(f"{class_name}: {len(missing)} weights are not in the checkpoint "
+                          f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")  # fmt: skip
     hf_model = hf_model.to(device).eval()
     q_heads = getattr(hf_config, "num_attention_heads", None)
     heads = {"attn_q": q_heads, "attn_k": _global(hf_config, "num_key_value_heads") or q_heads}

@@ -166,13 +166,15 @@ def write_phi3(
 
 def write_from_hf(
     path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False,
-    norm_shift: float = 0.0, extra: list[tuple[str, object, GGUFValueType]] = (),
+    norm_shift: float = 0.0, extra: list[tuple[str, object, GGUFValueType]] = (), layout=None,
 ) -> Path:  # fmt: skip
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
     gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
     (q / k rows `permuted` as the converter does for Llama-derived models, `norm_shift` added
     to every norm as it does for Gemma's); `settings`: GGUFWriter.add_<key> values
-    (block_count ...), `extra` (key, value, type) as they are, plus the default model's tokenizer."""
+    (block_count ...), `extra` (key, value, type) as they are, plus the default model's tokenizer;
+    `layout(name, array)`: the (file name, array) pairs a converter writes for a parameter it
+    handles itself, or None."""
     import gguf
 
     writer = GGUFWriter(path, arch)
@@ -189,6 +191,11 @@ def write_from_hf(
         if tied and name == "lm_head.weight":
             continue
         data = tensor.float().numpy() + (norm_shift if name.endswith("norm.weight") else 0.0)
+        parts = layout(name, data) if layout else None
+        if parts is not None:
+            for gguf_name, part in parts:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(part))
+            continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
         if permuted and name.rsplit(".", 2)[-2] in heads:  # each head's rows (half, i) as (i, half)

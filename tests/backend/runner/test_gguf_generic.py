@@ -7,7 +7,10 @@ converter itself on every type it takes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 from gguf import GGUFValueType, RopeScalingType
 
 from backend.runner import gguf_model
@@ -67,3 +70,61 @@ def test_a_key_no_config_field_takes_is_refused_in_one_line_naming_it(tmp_path, 
     ) as e:
         gguf_model.model_folder(source)
     assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_served_with_random_ones(tmp_path):
+    """transformers starts the weights a checkpoint lacks at random (a warning); the engine
+    refuses the model, naming them (a file whose experts transformers' reader cannot place)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.tiny_checkpoints import engine
+
+    build("cohere").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"CohereForCausalLM: 1 weights are not in the checkpoint "
+                                         r"\(model\.layers\.1\.mlp\.up_proj\.weight\)"):  # fmt: skip
+        engine(tmp_path)
+
+
+def gpt_oss_layout(name: str, data):
+    """llama.cpp's converter on gpt-oss: each expert's gate and up projections split out of the
+    interleaved gate_up_proj, transposed to rows, down_proj transposed, the sinks named."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\w+)|self_attn\.sinks)", name)
+    if match is None:
+        return None
+    block, part = f"blk.{match[1]}.", match[2]
+    if part is None:
+        return [(block + "attn_sinks.weight", data)]
+    if part == "gate_up_proj":
+        rows = data.transpose(0, 2, 1)
+        return [(block + "ffn_gate_exps.weight", rows[:, ::2]), (block + "ffn_up_exps.weight", rows[:, 1::2])]
+    if part == "gate_up_proj_bias":
+        return [(block + "ffn_gate_exps.bias", data[:, ::2]), (block + "ffn_up_exps.bias", data[:, 1::2])]
+    return [(block + "ffn_down_exps." + ("weight" if part == "down_proj" else "bias"),
+             data.transpose(0, 2, 1) if part == "down_proj" else data)]  # fmt: skip
+
+
+def test_a_gpt_oss_file_as_llama_cpp_writes_it_gives_its_checkpoints_tokens(tmp_path, monkeypatch):
+    """transformers' reader (5.24) expects other names and layout for gpt-oss' experts and drops
+    its sinks and its YaRN (backend/runner/gguf_gpt_oss.py, gguf_gaps.py)."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    model = build("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    with torch.no_grad():  # sinks and biases away from 0
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "_bias")):
+                param.copy_(torch.randn_like(param))
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "expert_feed_forward_length": 256, "head_count": 4, "head_count_kv": 2, "key_length": 32,
+                "value_length": 32, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2,
+                "sliding_window": 8, "rope_freq_base": model.config.rope_parameters["rope_theta"],
+                "rope_scaling_type": RopeScalingType.YARN, "rope_scaling_factor": 32.0,
+                "rope_scaling_orig_ctx_len": 4096, "rope_scaling_yarn_beta_fast": 32.0,
+                "rope_scaling_yarn_beta_slow": 1.0}  # fmt: skip
+    file_numbers(model)  # first: the 2-D biases the layout writes as floats hold the reference's numbers too
+    source = write_from_hf(tmp_path / "gpt-oss.Q8_0.gguf", model, "gpt-oss", "Q8_0", settings, layout=gpt_oss_layout)
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == "GptOssForCausalLM"
+    assert_close(tokens, logprobs, *greedy_reference(model))
