@@ -51,34 +51,15 @@ def check(model_type: str, converter: str | None = None) -> dict[str, object]:
 
 
 def _check(model_type: str, folder: Path, converter: str | None) -> dict[str, object]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from tests.helpers.engine_runs import run_to_completion
-    from tests.helpers.tiny_checkpoints import DIMS, GQA, PROMPT, engine, first_divergence, greedy, reference, sharpen
+    from tests.helpers.tiny_checkpoints import PROMPT, engine, first_divergence, greedy, reference
 
-    failure = ""
-    vocab = {"vocab_size": len(_tokenizer())} if converter else {}  # no padding rows (converters trim them)
-    dims = {**DIMS, **vocab, **_CONVERTER_ASSUMES.get(model_type, {})} if converter else DIMS
-    for extra in (
-        (GQA, {}) if model_type not in _CONVERTER_ASSUMES else ({},)
-    ):  # grouped-query heads of 32 where the config takes them
-        try:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**dims, **extra})).eval()
-            sharpen(model, model_type)
-            model.save_pretrained(folder / "hf")
-            ref, logits = reference(model, PROMPT)
-            break
-        except Exception as e:
-            failure = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-    else:
-        return {"verdict": "no checkpoint", "why": failure}
-    served = folder / "hf"
-    if converter:
-        served, failure = _converted(served, converter, model_type)
-        if served is None:
-            return {"verdict": "no file", "why": failure}
+    model = _checkpoint(model_type, folder / "hf", converter)
+    if isinstance(model, str):
+        return {"verdict": "no checkpoint", "why": model}
+    served, failure = _converted(folder / "hf", converter, model_type) if converter else (folder / "hf", "")
+    if served is None:
+        return {"verdict": "no file", "why": failure}
     try:
         eng = engine(served)
         tokens, _ = run_to_completion(eng, {"t": greedy()})
@@ -87,6 +68,10 @@ def _check(model_type: str, folder: Path, converter: str | None) -> dict[str, ob
         return {"verdict": "refused", "why": " ".join(reason.split())[:220]}
     except Exception as e:
         return {"verdict": "CRASH", "why": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+    rows = eng.runner.model.config.vocab_size
+    if rows < model.config.vocab_size:  # a converter cut the rows past its tokenizer's: so does the reference
+        model.resize_token_embeddings(rows)
+    ref, logits = reference(model, PROMPT)
     path = "native" if eng.runner.native else "transformers"
     divergence = first_divergence(tokens["t"], ref, logits)
     if divergence is None or divergence[1]:
@@ -94,12 +79,40 @@ def _check(model_type: str, folder: Path, converter: str | None) -> dict[str, ob
     return {"verdict": "MISMATCH", "path": path, "why": f"step {divergence[0]}"}
 
 
-# shapes a converter takes for granted, as the real checkpoints have them (Phi-2: an MLP 4 x
-# hidden wide, no grouped KV heads; its rotary share, 0.4, not transformers' default; the MLA
-# models: as many KV heads as heads)
-_CONVERTER_ASSUMES = {"phi": {"intermediate_size": 4 * 128, "partial_rotary_factor": 0.4}}
+def _checkpoint(model_type: str, folder: Path, converter: str | None):
+    """A tiny random checkpoint of `model_type` saved in `folder` (grouped-query heads of 32
+    where the config takes them), or why transformers could not build or run one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers.tiny_checkpoints import DIMS, GQA, PROMPT, reference, sharpen
+
+    vocab = {"vocab_size": len(_tokenizer())} if converter else {}
+    dims = {**DIMS, **vocab, **_CONVERTER_ASSUMES.get(model_type, {})} if converter else DIMS
+    failure = ""
+    for extra in (GQA, {}) if model_type not in _NO_GQA else ({},):
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**dims, **extra})).eval()
+            sharpen(model, model_type)
+            model.save_pretrained(folder)
+            reference(model, PROMPT[:4])  # it runs
+            return model
+        except Exception as e:
+            failure = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return failure
+
+
+# what a converter (or llama.cpp) takes for granted, as the real checkpoints have it (Phi-2: an
+# MLP 4 x hidden wide, no grouped KV heads; its rotary share, 0.4, not transformers' default;
+# Qwen3-MoE: top-k weights renormalized; the MLA models: as many KV heads as heads)
+_CONVERTER_ASSUMES = {"phi": {"intermediate_size": 4 * 128, "partial_rotary_factor": 0.4},
+                      "qwen3_moe": {"norm_topk_prob": True}}  # fmt: skip
+# Gemma 2 / 3: scores scaled by 1 / sqrt(head size), as llama.cpp does and the checkpoints but 27B say
+_CONVERTER_ASSUMES |= dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), {"query_pre_attn_scalar": 32})
 _MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
 _CONVERTER_ASSUMES |= dict.fromkeys(_MLA, {"num_key_value_heads": 4})
+_NO_GQA = ("phi", *_MLA)
 # special tokens some converters look up by name (GLM's), added to the default model's
 # tokenizer, which llama.cpp's converter knows
 _CONVERTERS_LOOK_UP = ["<|endoftext|>", "<|startoftext|>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",

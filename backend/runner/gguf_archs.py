@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.runner.gguf_generic import supplement, taught, teach, wrap
-from backend.runner.gguf_gpt_oss import processor_class as gpt_oss_processor
+from backend.runner.gguf_processors import processors as file_processors
 
 _LLAMA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -104,7 +104,7 @@ def _register_table() -> None:
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
         wrap()
-        reader.TENSOR_PROCESSORS["gpt-oss"] = gpt_oss_processor()  # the file's name; 5.24 keys its own by gpt_oss
+        reader.TENSOR_PROCESSORS.update(file_processors())
         processors = {"permute": reader.LlamaTensorProcessor, "norm": reader.Gemma2TensorProcessor}
         for arch, (keys, undo) in ARCHITECTURES.items():
             if arch in GGUF_CONFIG_MAPPING:  # a newer transformers reads it itself

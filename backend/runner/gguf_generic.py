@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from backend.runner.gguf_processors import stacked_experts
+
 # llama.cpp's architecture name -> transformers' model type, where they differ
 ALIASES = {
     "command-r": "cohere",
@@ -29,9 +31,10 @@ ALIASES = {
     "ernie4_5-moe": "ernie4_5_moe",
     "exaone-moe": "exaone_moe",
     "cohere2moe": "cohere2_moe",
+    "mistral3": "ministral3",
 }
 # architectures whose converter permutes the q / k rows as Llama's (a class derived from it)
-PERMUTED = frozenset({"arcee", "afmoe", "minicpm", "deepseek"})
+PERMUTED = frozenset({"arcee", "afmoe", "minicpm", "deepseek", "mistral3"})
 
 # a file key (after `<arch>.`) -> the config fields that may hold it, first match wins
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -190,7 +193,7 @@ def _install(arch: str, model_type: str, fields: dict[str, str]) -> None:
         if arch in PERMUTED:
             reader.TENSOR_PROCESSORS[arch] = reader.LlamaTensorProcessor
         elif "expert_count" in fields:  # stacked experts into transformers 5's fused gate_up_proj / down_proj
-            reader.TENSOR_PROCESSORS[arch] = _stacked_experts(reader)
+            reader.TENSOR_PROCESSORS[arch] = stacked_experts()
         _taught[arch] = model_type
     GGUF_CONFIG_MAPPING[arch].update(fields)
 
@@ -241,18 +244,3 @@ def _underscored_biases(hf_model, arch: str, mapping: dict[str, str]) -> dict[st
         if gguf_name is not None and name not in mapped:
             found[f"{gguf_name}.bias"] = name
     return found
-
-
-def _stacked_experts(reader):
-    """transformers' processor of stacked expert tensors into fused `mlp.experts.gate_up_proj` /
-    `down_proj`, leaving a file's expert tensors unread where the model keeps its experts
-    otherwise (its load then refuses the weights it misses: transformers_loader)."""
-
-    class StackedExperts(reader.Qwen2MoeTensorProcessor):
-        def process(self, weights, name: str, **kwargs):
-            try:
-                return super().process(weights, name, **kwargs)
-            except KeyError:
-                return reader.GGUFTensor(weights, name, {})
-
-    return StackedExperts

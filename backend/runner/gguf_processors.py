@@ -1,5 +1,7 @@
-"""gpt-oss files as llama.cpp's converter writes them, for transformers' reader (5.24), whose
-own gpt-oss processor expects other names (`ffn_*_projs`) and another layout: each expert's
+"""Tensor processors for transformers' GGUF reader (5.24) where its own do not read llama.cpp's
+files: Qwen2-MoE's shared-expert gate of a float file (made 3-D), the stacked experts of an
+architecture taught generically, and gpt-oss, whose own processor expects other names
+(`ffn_*_projs`) and another layout than llama.cpp's converter writes: each expert's
 gate and up projections (rows of `ffn_gate_exps` / `ffn_up_exps`, [experts, width, hidden],
 their biases [experts, width]) interleaved back into transformers' `gate_up_proj` [experts,
 hidden, 2 x width] (gate in the even columns), `ffn_down_exps` [experts, hidden, width]
@@ -16,8 +18,41 @@ _EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.(?
 _SINKS = re.compile(r"blk\.(?P<layer>\d+)\.attn_sinks\.weight$")
 
 
-def processor_class():
-    """A TensorProcessor (transformers' base) for gpt-oss files."""
+def processors() -> dict:
+    """Processors by file architecture, to put in transformers' TENSOR_PROCESSORS."""
+    return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe()}
+
+
+def stacked_experts():
+    """transformers' processor of stacked expert tensors into fused `mlp.experts.gate_up_proj` /
+    `down_proj`, leaving a file's expert tensors unread where the model keeps its experts
+    otherwise (its load then refuses the weights it misses: transformers_loader)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, Qwen2MoeTensorProcessor
+
+    class StackedExperts(Qwen2MoeTensorProcessor):
+        def process(self, weights, name: str, **kwargs):
+            try:
+                return super().process(weights, name, **kwargs)
+            except KeyError:
+                return GGUFTensor(weights, name, {})
+
+    return StackedExperts
+
+
+def _qwen2_moe():
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, Qwen2MoeTensorProcessor
+
+    class Qwen2MoeFiles(Qwen2MoeTensorProcessor):
+        def process(self, weights, name: str, **kwargs):
+            result = super().process(weights, name, **kwargs)
+            if "ffn_gate_inp_shexp" in name and result.weights.ndim > 2:  # a float file's is 2-D already
+                return GGUFTensor(result.weights.reshape(1, -1), result.name, result.metadata)
+            return result
+
+    return Qwen2MoeFiles
+
+
+def _gpt_oss():
     from transformers.modeling_gguf_pytorch_utils import GGUFTensor, TensorProcessor
 
     class GptOssFileProcessor(TensorProcessor):
