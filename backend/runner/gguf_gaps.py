@@ -99,6 +99,12 @@ def _generic(config, fields: dict[str, Any], raw, arch: str) -> None:
         slides = [bool(x) for x in pattern.contents()]
         config.layer_types = ["sliding_attention" if s else "full_attention" for s in slides]
     _rope_scaling(config, fields, arch)
+    swa_base = fields.get("rope.freq_base_swa")
+    if swa_base is not None:  # the sliding layers' RoPE base, where the config keeps one by layer type
+        if "sliding_attention" not in (config.rope_parameters or {}):
+            raise ValueError(f"its {arch}.rope.freq_base_swa has no place in transformers' {config.model_type} config")
+        config.rope_parameters = {**config.rope_parameters, "sliding_attention": {
+            **config.rope_parameters["sliding_attention"], "rope_theta": float(swa_base)}}  # fmt: skip
 
 
 def _rope_scaling(config, fields: dict[str, Any], arch: str) -> None:

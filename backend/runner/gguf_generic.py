@@ -76,6 +76,7 @@ READ_ELSEWHERE = {
     "rope.dimension_count": None,
     "attention.sliding_window_pattern": "layer_types",
     "nextn_predict_layers": "num_nextn_predict_layers",
+    "rope.freq_base_swa": "rope_parameters",
 }
 READ_ELSEWHERE |= {
     f"rope.scaling.{key}": "rope_parameters"
@@ -116,9 +117,14 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
     `<arch>.` prefix); ValueError, one line, where the file holds a key no field takes or keys of
     another namespace (`foreign`: Apertus' `xielu.*` activation parameters)."""
 
+    from gguf import MODEL_ARCH_NAMES
+
     model_type = model_type_of(arch)
     if model_type is None:
         return  # transformers' own refusal names the architectures read
+    if arch not in MODEL_ARCH_NAMES.values():
+        raise ValueError(f"{source.name}: the installed gguf package does not name the tensors of {arch} files "
+                         f"(a newer llama.cpp's); transformers has the {model_type} model")  # fmt: skip
     defaults = _defaults(model_type)
     fields, unread = {}, list(foreign)
     for key, value in values.items():
@@ -129,8 +135,8 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
             unread.append(key)
     if unread:
         names = ", ".join(key if key in foreign else f"{arch}.{key}" for key in unread)
-        raise ValueError(f"{source.name}: transformers' {model_type} config has no field for {names} (an {arch} "
-                         f"file is read generically: the model would compute without that setting)")  # fmt: skip
+        raise ValueError(f"{source.name}: transformers' {model_type} config has no field for {names} "
+                         f"({arch} files are read generically: the model would compute without it)")  # fmt: skip
     with _lock:
         _install(arch, model_type, fields)
 
