@@ -26,6 +26,8 @@ _ROPE_SCALING = {
     "rope.scaling.yarn_beta_fast": "beta_fast",
     "rope.scaling.yarn_beta_slow": "beta_slow",
 }
+# model types whose queries take Llama 4's attention temperature (rope_parameters' llama_4_scaling_beta)
+_TEMPERATURE_SCALED = frozenset({"ministral3"})
 _NOT_CARRIED = ("model_type", "architectures", "transformers_version", "rope_parameters", "layer_types", "dtype")
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
@@ -99,6 +101,7 @@ def _generic(config, fields: dict[str, Any], raw, arch: str) -> None:
         slides = [bool(x) for x in pattern.contents()]
         config.layer_types = ["sliding_attention" if s else "full_attention" for s in slides]
     _rope_scaling(config, fields, arch)
+    _temperature(config, fields, arch)
     swa_base = fields.get("rope.freq_base_swa")
     if swa_base is not None:  # the sliding layers' RoPE base, where the config keeps one by layer type
         if "sliding_attention" not in (config.rope_parameters or {}):
@@ -117,8 +120,26 @@ def _rope_scaling(config, fields: dict[str, Any], arch: str) -> None:
         raise ValueError(f"its {arch}.rope.scaling.type {kind!r} is not read (linear and yarn are)")
     scaling = {name: fields[key] for key, name in _ROPE_SCALING.items() if fields.get(key) is not None}
     params = {key: dict(value) if isinstance(value, dict) else value for key, value in config.rope_parameters.items()}
-    (params["full_attention"] if "full_attention" in params else params).update(rope_type=kind, **scaling)
+    target = params["full_attention"] if "full_attention" in params else params
+    if kind == "yarn":  # YaRN's magnitude as llama.cpp takes it: mscale 1, mscale_all_dim its log multiplier
+        for name in ("mscale", "mscale_all_dim"):
+            target.pop(name, None)
+        if fields.get("rope.scaling.yarn_log_multiplier"):
+            scaling.update(mscale=1.0, mscale_all_dim=float(fields["rope.scaling.yarn_log_multiplier"]))
+    target.update(rope_type=kind, **scaling)
     config.rope_parameters = params
+
+
+def _temperature(config, fields: dict[str, Any], arch: str) -> None:
+    """Llama 4's attention temperature (queries scaled by 1 + beta * log(1 + floor(position /
+    the original context))), where the model computes it: beta the file's, none without one."""
+    beta = fields.get("attention.temperature_scale")
+    if config.model_type not in _TEMPERATURE_SCALED:
+        if beta is not None:
+            raise ValueError(f"its {arch}.attention.temperature_scale has no field in transformers' "
+                             f"{config.model_type} config")  # fmt: skip
+        return
+    config.rope_parameters = {**config.rope_parameters, "llama_4_scaling_beta": float(beta or 0.0)}
 
 
 def _gemma(config, fields: dict[str, Any]) -> None:

@@ -77,6 +77,7 @@ READ_ELSEWHERE = {
     "attention.sliding_window_pattern": "layer_types",
     "nextn_predict_layers": "num_nextn_predict_layers",
     "rope.freq_base_swa": "rope_parameters",
+    "attention.temperature_scale": "rope_parameters",
 }
 READ_ELSEWHERE |= {
     f"rope.scaling.{key}": "rope_parameters"
@@ -88,6 +89,7 @@ READ_ELSEWHERE |= {
         "yarn_attn_factor",
         "yarn_beta_fast",
         "yarn_beta_slow",
+        "yarn_log_multiplier",
     )
 }
 # how each mixture's router scores the experts, where its modeling code fixes it (llama.cpp's

@@ -35,6 +35,15 @@ GENERIC = [
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
      {"layer_norm_rms_eps": 1e-5, "sliding_window": 8, "sliding_window_pattern": [False, True], "rope_freq_base": 5e5,
       "rope_scaling_type": RopeScalingType.YARN, "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx_len": 16}, {}),
+    # Ministral 3: YaRN with its own magnitude (mscale_all_dim, llama.cpp's log multiplier) and
+    # Llama 4's attention temperature, which turns on at the original context's multiples: 4 here
+    ("ministral3", "mistral3", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.3}},
+     {"layer_norm_rms_eps": 1e-5, "rope_freq_base": 1e6, "rope_scaling_type": RopeScalingType.YARN,
+      "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx_len": 4, "rope_scaling_yarn_beta_fast": 32.0,
+      "rope_scaling_yarn_beta_slow": 1.0, "rope_scaling_yarn_log_mul": 0.5, "attn_temperature_scale": 0.3},
+     {"permuted": True}),
 ]  # fmt: skip
 
 
