@@ -58,6 +58,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "expert_used_count": ("num_experts_per_tok", "moe_k", "num_experts_per_token", "top_k"),
     "expert_feed_forward_length": ("moe_intermediate_size",),
     "expert_shared_count": ("n_shared_experts", "num_shared_experts"),
+    "expert_shared_feed_forward_length": ("shared_intermediate_size",),
     "leading_dense_block_count": ("first_k_dense_replace",),
     "expert_group_count": ("n_group",),
     "expert_group_used_count": ("topk_group",),
@@ -97,7 +98,10 @@ READ_ELSEWHERE |= {
 _GATING = {"glm4_moe": 2}
 # a model type transformers has for a variant of an architecture (OLMo 3 is written as "olmo2"
 # with sliding windows: gguf_gaps makes its config) -> the file architecture naming its tensors
-VARIANTS = {"olmo3": "olmo2"}
+VARIANTS = {"olmo3": "olmo2", "granitemoeshared": "granitemoe"}
+# a model type's variant transformers has for a file holding a key: (the key, its config
+# field, the variant); GraniteMoE with a shared expert is GraniteMoeShared
+KEYED_VARIANTS = {"granitemoe": ("expert_shared_feed_forward_length", "shared_intermediate_size", "granitemoeshared")}
 
 _lock = threading.Lock()
 _taught: dict[str, str] = {}  # file architecture -> model type, once taught
@@ -124,6 +128,8 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
     model_type = model_type_of(arch)
     if model_type is None:
         return  # transformers' own refusal names the architectures read
+    if (variant := KEYED_VARIANTS.get(model_type)) and values.get(variant[0]):
+        model_type = variant[2]
     if arch not in MODEL_ARCH_NAMES.values():
         raise ValueError(f"{source.name}: the installed gguf package does not name the tensors of {arch} files "
                          f"(a newer llama.cpp's); transformers has the {model_type} model")  # fmt: skip
@@ -198,7 +204,9 @@ def _install(arch: str, model_type: str, fields: dict[str, str]) -> None:
     if arch not in _taught:
         GGUF_CONFIG_MAPPING[arch] = reader.GGUF_TO_TRANSFORMERS_MAPPING["config"][arch] = {}
         reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
-        if arch in PERMUTED:
+        if arch in reader.TENSOR_PROCESSORS:  # one of ours (gguf_processors)
+            pass
+        elif arch in PERMUTED:
             reader.TENSOR_PROCESSORS[arch] = reader.LlamaTensorProcessor
         elif "expert_count" in fields:  # stacked experts into transformers 5's fused gate_up_proj / down_proj
             reader.TENSOR_PROCESSORS[arch] = stacked_experts()
@@ -219,7 +227,10 @@ def wrap() -> None:
     def load_gguf_checkpoint(*args, **kwargs):
         parsed = load(*args, **kwargs)
         config = parsed.get("config", {})
-        config["model_type"] = _taught.get(config.get("model_type"), config.get("model_type"))
+        model_type = _taught.get(config.get("model_type"), config.get("model_type"))
+        if (variant := KEYED_VARIANTS.get(model_type)) and config.get(variant[1]):
+            model_type = variant[2]
+        config["model_type"] = model_type
         scaling = config.get("rope_scaling")
         if isinstance(scaling, dict) and any(type(v).__module__.startswith("numpy") for v in scaling.values()):
             del config["rope_scaling"]  # gpt-oss' read as raw parts (5.24); gguf_gaps reads it from the file

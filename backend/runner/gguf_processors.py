@@ -5,7 +5,10 @@ architecture taught generically, and gpt-oss, whose own processor expects other 
 gate and up projections (rows of `ffn_gate_exps` / `ffn_up_exps`, [experts, width, hidden],
 their biases [experts, width]) interleaved back into transformers' `gate_up_proj` [experts,
 hidden, 2 x width] (gate in the even columns), `ffn_down_exps` [experts, hidden, width]
-transposed into `down_proj`, and the attention sinks (`attn_sinks.weight`) into `sinks`."""
+transposed into `down_proj`, and the attention sinks (`attn_sinks.weight`) into `sinks`;
+GraniteMoE (and -Shared: a `granitemoe` file with a shared expert), whose converter permutes
+the q / k rows as Llama's and splits transformers' fused expert and shared-MLP matrices, put
+back together under transformers 5's names (`granite_moe_tensor`)."""
 
 from __future__ import annotations
 
@@ -16,11 +19,22 @@ import torch
 
 _EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.(?P<kind>weight|bias)$")
 _SINKS = re.compile(r"blk\.(?P<layer>\d+)\.attn_sinks\.weight$")
+# a GraniteMoE file's tensor -> (transformers' parameter in layer N, the half it fills: 0 gate, 1 up, None all)
+_GRANITE_MOE_PARTS = {
+    "gate_inp": ("block_sparse_moe.router.weight", None),
+    "gate_exps": ("block_sparse_moe.experts.gate_up_proj", 0),
+    "up_exps": ("block_sparse_moe.experts.gate_up_proj", 1),
+    "down_exps": ("block_sparse_moe.experts.down_proj", None),
+    "gate_shexp": ("shared_mlp.input_linear.weight", 0),
+    "up_shexp": ("shared_mlp.input_linear.weight", 1),
+    "down_shexp": ("shared_mlp.output_linear.weight", None),
+}
+_GRANITE_MOE = re.compile(rf"blk\.(?P<layer>\d+)\.ffn_(?P<part>{'|'.join(_GRANITE_MOE_PARTS)})\.weight$")
 
 
 def processors() -> dict:
     """Processors by file architecture, to put in transformers' TENSOR_PROCESSORS."""
-    return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe()}
+    return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe(), "granitemoe": _granite_moe()}
 
 
 def stacked_experts():
@@ -84,3 +98,33 @@ def _place(tensors: dict[str, torch.Tensor], weights: np.ndarray, layer: int, pa
     if key not in tensors:
         tensors[key] = torch.zeros(*data.shape[:-1], 2 * data.shape[-1], dtype=data.dtype)
     tensors[key][..., 0 if part == "gate" else 1 :: 2] = data
+
+
+def _granite_moe():
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, LlamaTensorProcessor
+
+    class GraniteMoeFiles(LlamaTensorProcessor):
+        def process(self, weights, name: str, **kwargs):
+            parsed = kwargs.get("parsed_parameters")
+            if parsed is not None and (m := _GRANITE_MOE.match(name)):
+                granite_moe_tensor(parsed["tensors"], weights, int(m["layer"]), m["part"])
+                return GGUFTensor(weights, None, {})
+            return super().process(weights, name, **kwargs)
+
+    return GraniteMoeFiles
+
+
+def granite_moe_tensor(tensors: dict[str, torch.Tensor], weights: np.ndarray, layer: int, part: str) -> None:
+    """A GraniteMoE file's router, expert or shared-MLP tensor into transformers' parameter: the
+    gate and up halves (rows [.., width, hidden] each) stacked as the fused matrix's first and
+    second halves of its rows, as transformers' `chunk(2)` splits them."""
+    target, half = _GRANITE_MOE_PARTS[part]
+    key = f"model.layers.{layer}.{target}"
+    data = torch.from_numpy(np.copy(weights))
+    if half is None:
+        tensors[key] = data
+        return
+    rows = data.shape[-2]
+    if key not in tensors:
+        tensors[key] = torch.zeros(*data.shape[:-2], 2 * rows, data.shape[-1], dtype=data.dtype)
+    tensors[key][..., half * rows : (half + 1) * rows, :] = data

@@ -137,3 +137,44 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_gives_its_checkpoints_tokens(tmp_
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == "GptOssForCausalLM"
     assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def granite_moe_layout(name: str, data):
+    """llama.cpp's converter on GraniteMoE(-Shared): the fused expert and shared-MLP matrices
+    split into their gate and up halves, the router as `ffn_gate_inp`."""
+    moe = r"block_sparse_moe\.(?:experts\.\w+|router\.weight)"
+    match = re.fullmatch(rf"model\.layers\.(\d+)\.({moe}|shared_mlp\.\w+\.weight)", name)
+    if match is None:
+        return None
+    block, part = f"blk.{match[1]}.", match[2].rsplit(".", 2)[-2] if match[2].endswith("weight") else match[2]
+    half = data.shape[-2] // 2
+    return {
+        "router": [(block + "ffn_gate_inp.weight", data)],
+        "block_sparse_moe.experts.down_proj": [(block + "ffn_down_exps.weight", data)],
+        "block_sparse_moe.experts.gate_up_proj": [(block + "ffn_gate_exps.weight", data[:, :half]),
+                                                  (block + "ffn_up_exps.weight", data[:, half:])],
+        "input_linear": [(block + "ffn_gate_shexp.weight", data[:half]), (block + "ffn_up_shexp.weight", data[half:])],
+        "output_linear": [(block + "ffn_down_shexp.weight", data)],
+    }[part]  # fmt: skip
+
+
+def test_a_granite_moe_shared_file_as_llama_cpp_writes_it_gives_its_checkpoints_tokens(tmp_path, monkeypatch):
+    """A `granitemoe` file with a shared expert is GraniteMoeShared: its experts, router and
+    shared MLP put back under transformers 5's names, its q / k rows un-permuted, Granite's four
+    multipliers read (gguf_processors.py, gguf_generic.KEYED_VARIANTS)."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    multipliers = {"embedding_multiplier": 2.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
+                   "logits_scaling": 4.0}  # fmt: skip
+    model = build("granitemoeshared", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                  **multipliers)  # fmt: skip
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-6, "expert_count": 4,
+                "expert_used_count": 2, "expert_shared_feed_forward_length": 64, "embedding_scale": 2.0,
+                "attention_scale": 0.1, "residual_scale": 0.5, "logit_scale": 4.0,
+                "rope_freq_base": model.config.rope_parameters["rope_theta"]}  # fmt: skip
+    file_numbers(model)  # first: the 2-D parts the layout writes as floats hold the reference's numbers too
+    source = write_from_hf(tmp_path / "granite-moe.Q8_0.gguf", model, "granitemoe", "Q8_0", settings, permuted=True,
+                           layout=granite_moe_layout)  # fmt: skip
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == "GraniteMoeSharedForCausalLM"
+    assert_close(tokens, logprobs, *greedy_reference(model))
