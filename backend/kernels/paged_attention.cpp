@@ -10,8 +10,8 @@
 // positions (0, 256, 512 ...), so a span's partial (its largest score, its numerators' sum,
 // its unnormalized exp(scores - top) v) is the same whether the row is a decode or a prefill
 // chunk's. In a span, a score is q . k as a chain of multiply-adds over d in 16 lanes, the
-// lanes then added in one fixed order (hsum16: a decode's rows one at a time, a prefill
-// tile's 16 at once by hsum16x16, the same additions), the numerators are summed in 16 lanes
+// lanes then added in one fixed order (hsum16x16, 16 positions' chains at once, for a decode's
+// rows as for a prefill tile's), the numerators are summed in 16 lanes
 // by position mod 16 then reduced in _mm512_reduce_add_ps's order, and v is accumulated in
 // position order. Rows that share a unit (a sequence's tile of rows, a KV head, a span) share
 // the loads; a row's lanes outside its own range hold exactly 0 (its sums and products
@@ -53,17 +53,8 @@ inline int64_t first_seen(const Rows& a, int64_t r) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// The sum of v's 16 lanes in one fixed order: lane i with i + 8, then i + 4, i + 2, i + 1.
-inline float hsum16(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// hsum16 of 16 vectors at once, in hsum16's order: lane j of the result is hsum16(v[j]).
+// The sums of 16 vectors' lanes at once, each in one fixed order (lane i with i + 8, then i + 4,
+// i + 2, i + 1): lane j of the result is v[j]'s sum.
 inline __m512 hsum16x16(const __m512 (&v)[16]) {
   __m512 u[8], w[4], x[2];
   for (int k = 0; k < 8; ++k) {  // lane i of each 8: i + 8
@@ -148,11 +139,11 @@ struct Query {  // one (row, query head) of a unit: its positions [from, to) in 
   int64_t from, to;
 };
 
-// A score is q . k as hsum16 of the chain q[0:16] * k[0:16] + q[16:32] * k[16:32] + ... (one
-// multiply, then multiply-adds), times scale; -inf at the positions of its chunks it does not
-// see. Two loops give these numbers: a few queries (a decode's) take each key row once for all
-// of them (scores_rows); many (a prefill tile's) take 16 positions at a time, their 16 chains
-// summed together by hsum16x16 (scores_chunks).
+// A score is q . k as the lanes' sum (hsum16x16) of the chain q[0:16] * k[0:16] + q[16:32] *
+// k[16:32] + ... (one multiply, then multiply-adds), times scale; -inf at the positions of its
+// chunks it does not see. Two loops give these numbers: a few queries (a decode's) take each
+// key row once for all of them, in place (scores_rows); many (a prefill tile's) take 16 widened
+// positions at a time, a query after another (scores_chunks).
 template <int DV>
 inline __m512 chain(const float* q, const __m512 (&k)[DV]) {
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
@@ -172,16 +163,37 @@ inline void fill_unseen(const Query& q, int64_t base, float* sc) {
   for (int64_t c = q0; c < q1; c += 16) _mm512_storeu_ps(sc + c, _mm512_set1_ps(-INFINITY));
 }
 
+// Positions base + c .. + 15 of queries qs[0..n): lane j of a query's scores is position c + j
+// seen (in [from, to)), stored over the -inf fill_unseen left; its chunks outside, untouched.
+inline void store_scores(const Query& q, int64_t base, int64_t c, __m512 v, float* sc) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + c)), lanes);
+  const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(q.from))) &
+                         _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(q.to)));
+  if (seen != 0) _mm512_mask_storeu_ps(sc + c, seen, v);
+}
+
+// A few queries (a decode's): each key row read once, in place, for all of them; each query's
+// 16 chains of a chunk summed together (one hsum16x16: a lane's sum alone took as many
+// shuffles as 16 at once).
 template <int DV, class T>
 void scores_rows(const Query* qs, int n, int64_t base, int64_t p0, int64_t p1, float scale, Span& s) {
   for (int i = 0; i < n; ++i) fill_unseen(qs[i], base, s.scores.data() + i * kScoreRow);
-  for (int64_t p = p0; p < p1; ++p) {
-    const T* row = static_cast<const T*>(s.krow[p]);
-    __m512 k[DV];
-    for (int d = 0; d < DV; ++d) k[d] = load16(row + d * 16);
+  __m512 acc[kScoreGroup][16];
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t c = p0 / 16 * 16; c < p1; c += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const T* row = static_cast<const T*>(s.krow[c + j]);
+      if (row == nullptr) {  // outside the unit's positions: no query sees it
+        for (int i = 0; i < n; ++i) acc[i][j] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 k[DV];
+      for (int d = 0; d < DV; ++d) k[d] = load16(row + d * 16);
+      for (int i = 0; i < n; ++i) acc[i][j] = chain<DV>(qs[i].q, k);
+    }
     for (int i = 0; i < n; ++i) {
-      if (base + p < qs[i].from || base + p >= qs[i].to) continue;
-      s.scores[i * kScoreRow + p] = hsum16(chain<DV>(qs[i].q, k)) * scale;
+      store_scores(qs[i], base, c, _mm512_mul_ps(hsum16x16(acc[i]), scaled), s.scores.data() + i * kScoreRow);
     }
   }
 }

@@ -62,30 +62,48 @@ VNNI inline void half_sums(__m512i qlo, __m512i qhi, float d, float* out) {
   out[3] = static_cast<float>(128 * hi);
 }
 
-VNNI Activations quantize(const float* x, int64_t M, int64_t K, bool halves) {
-  const int64_t blocks = K / kBlock, slots = (M + kPassRows - 1) / kPassRows * kPassRows * blocks;
-  Activations a{std::vector<uint8_t>(slots * kBlock), std::vector<float>(slots), std::vector<float>(slots),
-                std::vector<float>(slots), std::vector<float>(halves ? slots * 4 : 0)};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + m * K + b * kBlock;
-      const int64_t i = ((m / kPassRows) * blocks + b) * kPassRows + m % kPassRows;
-      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-      const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
-      const float d = amax / 127.f;
-      const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);  // an all-zero block: q = 0
-      // x / d rounded to nearest even, as torch.round(x / d) in the reference
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
-      auto* out = reinterpret_cast<__m128i*>(a.q.data() + i * kBlock);
-      _mm_storeu_si128(out, _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(out + 1, _mm512_cvtsepi32_epi8(qhi));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      a.d[i] = d;
-      a.sums[i] = d * static_cast<float>(sum);
-      a.offsets[i] = static_cast<float>(128 * sum);
-      if (halves) half_sums(qlo, qhi, d, a.halves.data() + i * 4);
-    }
+// A vector of at least n elements, kept across calls (grown, never zeroed: a call writes every
+// element it reads, rows past M are never read).
+template <class T>
+T* grown(std::vector<T>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+  return buffer.data();
+}
+
+// Row m of x [M, K] into its slots of `a`.
+VNNI void quantize_row(const float* x, int64_t m, int64_t K, bool halves, Activations& a) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + m * K + b * kBlock;
+    const int64_t i = ((m / kPassRows) * blocks + b) * kPassRows + m % kPassRows;
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
+    const float d = amax / 127.f;
+    const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);  // an all-zero block: q = 0
+    // x / d rounded to nearest even, as torch.round(x / d) in the reference
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
+    auto* out = reinterpret_cast<__m128i*>(a.q.data() + i * kBlock);
+    _mm_storeu_si128(out, _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(out + 1, _mm512_cvtsepi32_epi8(qhi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    a.d[i] = d;
+    a.sums[i] = d * static_cast<float>(sum);
+    a.offsets[i] = static_cast<float>(128 * sum);
+    if (halves) half_sums(qlo, qhi, d, a.halves.data() + i * 4);
   }
+}
+
+// x rounded into the calling thread's buffers (kept: a step's ~120 GEMVs zeroed and freed
+// fresh ones), rows split between the threads from 8 rows up.
+VNNI const Activations& quantize(const float* x, int64_t M, int64_t K, bool halves) {
+  static thread_local Activations kept;
+  Activations& a = kept;  // a reference the workers capture (a thread_local name is each thread's own)
+  const int64_t slots = (M + kPassRows - 1) / kPassRows * kPassRows * (K / kBlock);
+  grown(a.q, slots * kBlock), grown(a.d, slots), grown(a.sums, slots), grown(a.offsets, slots);
+  if (halves) grown(a.halves, slots * 4);
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x, m, K, halves, a);
+  });
   return a;
 }
 
@@ -267,7 +285,7 @@ TileOperands check_a8_operands(const torch::Tensor& x, const torch::Tensor& data
 
 void tiled_a8_into(const TileOperands& o, const torch::Tensor& x, const torch::Tensor& data,
                    const torch::Tensor& params, float* yp, bool accumulate) {
-  const Activations a = quantize(x.data_ptr<float>(), o.M, o.K, o.halves);
+  const Activations& a = quantize(x.data_ptr<float>(), o.M, o.K, o.halves);
   const int64_t params_per_block = params.size(-1) * (o.halves ? 2 : 1);
   const Problem p{static_cast<const uint8_t*>(data.data_ptr()), params.data_ptr<float>(), o.bias, &a, yp,
                   o.N, o.K, o.blocks, params_per_block, o.chunk, accumulate};
