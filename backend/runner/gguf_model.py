@@ -76,11 +76,28 @@ def _check(source: Path) -> None:
     from backend.runner.quant.gguf_blocks import read_tensor_table
 
     read_tensor_table(source)  # not a GGUF, truncated: its own ValueError
+    _check_whole(source)
     with source.open("rb") as f:
         head = f.read(1 << 20)
     if _TOKENIZER_KEY not in head:
         raise ValueError(f"{source.name} has no tokenizer in its metadata ({_TOKENIZER_KEY.decode()}); "
                          f"a GGUF made without one cannot be served")  # fmt: skip
+
+
+def _check_whole(source: Path) -> None:
+    """ValueError, one line, for one part of a GGUF split into several files (llama.cpp's
+    `gguf-split`: the metadata in the first, the tensors spread over all): read alone it lacks
+    weights."""
+    from gguf import GGUFReader
+
+    from backend.runner.gguf_archs import field_value
+
+    fields = GGUFReader(source).fields
+    count = field_value(fields["split.count"]) if "split.count" in fields else None
+    if count is not None and count > 1:
+        part = field_value(fields["split.no"]) + 1 if "split.no" in fields else "?"
+        raise ValueError(f"{source.name} is part {part} of a GGUF split into {count} files; merge them into one "
+                         f"first: llama-gguf-split --merge {source.name} {source.parent / 'merged.gguf'}")  # fmt: skip
 
 
 def _write_folder(source: Path, out: Path) -> None:

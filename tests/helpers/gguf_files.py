@@ -66,12 +66,16 @@ def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np
 def write_model(
     path: Path, layer_types: list[dict[str, str] | str], arch: str = "llama", embed: str = "Q8_0",
     output: str | None = None, tokenizer: bool = True, chat_template: bool = True, seed: int = 0,
+    extra: list[tuple[str, object, GGUFValueType]] = (),
 ) -> Path:  # fmt: skip
     """A GGUF model of len(layer_types) layers; each entry a block type for all its linears, or
     {linear: type}. `output`: an untied lm_head's type (None: tied to the embedding);
-    `tokenizer`, `chat_template`: whether the metadata holds them."""
+    `tokenizer`, `chat_template`: whether the metadata holds them; `extra`: (key, value, type)
+    as they are."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(path, arch)
+    for key, value, kind in extra:
+        writer.add_key_value(key, value, kind)
     writer.add_block_count(len(layer_types))
     writer.add_context_length(2048)
     writer.add_embedding_length(HIDDEN)

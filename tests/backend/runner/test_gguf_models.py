@@ -148,6 +148,19 @@ def test_a_file_without_a_tokenizer_is_refused_in_one_line(tmp_path):
         model_folder(path)
 
 
+def test_one_part_of_a_split_file_is_refused_in_one_line_naming_the_merge(tmp_path):
+    """llama.cpp's gguf-split spreads a model's tensors over several files; the first holds the
+    metadata, so read alone it would lack weights."""
+    from gguf import GGUFValueType
+
+    split = [("split.no", 0, GGUFValueType.UINT16), ("split.count", 3, GGUFValueType.UINT16),
+             ("split.tensors.count", 40, GGUFValueType.INT32)]  # fmt: skip
+    path = write_model(tmp_path / "big-00001-of-00003.gguf", ["Q8_0"], extra=split)
+    with pytest.raises(ValueError, match=r"big-00001-of-00003\.gguf is part 1 of a GGUF split into 3 files; "
+                                         r"merge them into one first: llama-gguf-split --merge"):  # fmt: skip
+        model_folder(path)
+
+
 def test_an_architecture_transformers_cannot_read_is_refused_with_the_list(tmp_path):
     path = write_model(tmp_path / "odd.gguf", ["Q8_0"], arch="rwkv6")
     with pytest.raises(ValueError, match="not supported.*GGUF architectures read: .*llama"):
