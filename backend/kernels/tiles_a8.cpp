@@ -94,16 +94,14 @@ VNNI void quantize_row(const float* x, int64_t m, int64_t K, bool halves, Activa
 }
 
 // x rounded into the calling thread's buffers (kept: a step's ~120 GEMVs zeroed and freed
-// fresh ones), rows split between the threads from 8 rows up.
+// fresh ones), on the calling thread: a parallel loop of its own, a few microseconds of work,
+// would add a barrier at which any other process on the cores stalls both threads.
 VNNI const Activations& quantize(const float* x, int64_t M, int64_t K, bool halves) {
-  static thread_local Activations kept;
-  Activations& a = kept;  // a reference the workers capture (a thread_local name is each thread's own)
+  static thread_local Activations a;
   const int64_t slots = (M + kPassRows - 1) / kPassRows * kPassRows * (K / kBlock);
   grown(a.q, slots * kBlock), grown(a.d, slots), grown(a.sums, slots), grown(a.offsets, slots);
   if (halves) grown(a.halves, slots * 4);
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(x, m, K, halves, a);
-  });
+  for (int64_t m = 0; m < M; ++m) quantize_row(x, m, K, halves, a);
   return a;
 }
 
