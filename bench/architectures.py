@@ -89,6 +89,7 @@ def _checkpoint(model_type: str, folder: Path, converter: str | None):
 
     vocab = {"vocab_size": len(_tokenizer())} if converter else {}
     dims = {**DIMS, **vocab, **_CONVERTER_ASSUMES.get(model_type, {})} if converter else DIMS
+    dims = {**dims, **_HYBRID_LAYERS.get(model_type, {})}
     failure = ""
     for extra in (GQA, {}) if model_type not in _NO_GQA else ({},):
         try:
@@ -113,6 +114,13 @@ _CONVERTER_ASSUMES |= dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), {"query
 _MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
 _CONVERTER_ASSUMES |= dict.fromkeys(_MLA, {"num_key_value_heads": 4})
 _NO_GQA = ("phi", *_MLA)
+# hybrids whose defaults on 4 layers would have no attention layer (or none of state): two of each
+_MIX = ["linear_attention", "full_attention"] * 2
+_HYBRID_LAYERS = dict.fromkeys(("granitemoehybrid", "kimi_linear", "zamba2"), {"layer_types": _MIX})
+_HYBRID_LAYERS |= dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "full_attention"] * 2})
+_HYBRID_LAYERS |= {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+                   "bamba": {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 32},
+                   "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1}}  # fmt: skip
 # special tokens some converters look up by name (GLM's), added to the default model's
 # tokenizer, which llama.cpp's converter knows
 _CONVERTERS_LOOK_UP = ["<|endoftext|>", "<|startoftext|>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",

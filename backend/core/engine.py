@@ -8,6 +8,7 @@ owns it; `prepare` alone may run on others.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,19 @@ class Prepared:
     adapter_weights: LoraWeights | None = None
 
 
+def _without_state_steps(config: EngineConfig, architecture: str) -> None:
+    """A model whose layers keep state besides attention's KV holds one state a sequence, at its
+    last token: no prefix cache (a hit would skip the state's tokens), no speculative steps (a
+    rejected draft would have moved it), no beams (rows forking it)."""
+    if config.speculative not in ("auto", "off"):
+        raise ValueError(f"SPECULATIVE={config.speculative}: {architecture}'s layers keep state besides "
+                         f"attention's KV, which speculative steps would move past rejected drafts")  # fmt: skip
+    if config.enable_prefix_caching or config.speculative != "off":
+        print(f"{architecture}: layers keeping state besides attention's KV: prefix cache and speculative "
+              f"decoding off, no beam search", file=sys.stderr)  # fmt: skip
+    config.enable_prefix_caching, config.speculative = False, "off"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         config.model_path = str(model_folder(config.model_path))  # a GGUF file: its prepared folder
@@ -58,6 +72,8 @@ class LLMEngine:
         mc = self.runner.model_config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(mc.eos_token_ids)
+        if self.runner.keeps_state:
+            _without_state_steps(config, mc.architecture)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # the context a request may use: the model's, MAX_MODEL_LEN's, and what the pool holds
         self.max_model_len = min(
@@ -122,7 +138,7 @@ class LLMEngine:
     @property
     def max_beams(self) -> int:
         """num_beams a request may ask for: MAX_BEAMS, and the rows one step may hold."""
-        return min(self.config.max_beams, self.config.max_num_seqs)
+        return min(self.config.max_beams, self.config.max_num_seqs) if not self.runner.keeps_state else 1
 
     # -- requests -----------------------------------------------------------
 
@@ -198,7 +214,10 @@ class LLMEngine:
             seq.dry_breaker_ids = self.vocab.ids_containing(params.dry_sequence_breakers)
         if request.num_beams > 1:
             if request.num_beams > self.max_beams:
-                raise ContractError("num_beams", f"must be at most {self.max_beams} on this server (MAX_BEAMS)")
+                stateful = self.runner.keeps_state
+                why = ("no beam search: this model's layers keep state besides attention's KV" if stateful
+                       else f"must be at most {self.max_beams} on this server (MAX_BEAMS)")  # fmt: skip
+                raise ContractError("num_beams", why)
             BeamGroup.start(seq, self.guards.stop_ids(params), self.eos_token_ids, self.max_model_len)
         elif encoder is None and vision is None:  # drafters see no pictures: a vision request never drafts
             seq.spec = self.speculator.admit(request)

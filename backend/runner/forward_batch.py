@@ -38,6 +38,9 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     embeds_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    # a model whose layers keep state besides attention's KV (backend/runner/models/layer_state.py):
+    # each sequence's states by layer, which the step reads and updates (None: no such layers)
+    layer_states: list[dict] | None = None
 
     @property
     def num_seqs(self) -> int:

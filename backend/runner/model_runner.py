@@ -24,6 +24,7 @@ from backend.sampling import logprobs as lp
 from backend.sampling.sampler import sample
 from backend.settings.engine import EngineConfig
 from backend.types.sampling_row import SamplingRow
+from backend.types.sequence import Sequence
 from backend.types.step import ScheduledSeq, StepResult
 from backend.vision.encoder_cache import EncoderCache
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.device, quantized)  # the target's; MTP, drafts: dtype
         self.model_config = self.model.config
         self.native = not isinstance(self.model, TransformersCausalLM)  # False: the generic path
+        # layers keeping state besides attention's KV (backend/runner/models/layer_state.py)
+        self.keeps_state = bool(getattr(self.model, "state_layers", None))
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         mc = self.model_config
@@ -145,6 +148,8 @@ class ModelRunner:
             # the logits of its last real token, then each draft's
             spans.append(Span(own + drafts, start, seq.block_table, 1 + len(drafts) if item.completes else 0))
         batch = build_forward_batch(spans, self.block_size, self.device)
+        if self.keeps_state:
+            batch.layer_states = [_layer_states(item.seq) for item in scheduled]
         if self.lora is not None:
             batch.lora = lora_batch(scheduled, batch.query_start, self.lora, self.device)
         if self.mrope:
@@ -187,6 +192,13 @@ class ModelRunner:
         tables = [item.seq.encoder.blocks for item in scheduled]
         lengths = [len(item.seq.encoder.tokens) for item in scheduled]
         return build_cross_plan(batch, tables, lengths, self.block_size, self.dtype)
+
+
+def _layer_states(seq: Sequence) -> dict:
+    """The sequence's layer states: empty where it starts over (new, or preempted)."""
+    if seq.layer_states is None or seq.num_computed_tokens == 0:
+        seq.layer_states = {}
+    return seq.layer_states
 
 
 @torch.inference_mode()

@@ -21,7 +21,13 @@ from backend.runner.transformers_quant import quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
 
-_PROBE = (3, 1)  # tokens of the probe's two steps (a prefill, then a decode)
+_PROBE = (3, 2, 1)  # tokens of the probe's steps (a prefill, a chunk continuing it, then a decode)
+
+
+_WHY_SPLIT = {  # a model whose state layers transformers continues over one new token but not several
+    True: "transformers' code for its state layers does not continue a state over several new tokens (Mamba, Jamba)",
+    False: "it keeps state outside attention's KV cache and transformers' cache interface (recurrent code of its own)",
+}
 
 
 class NotServable(ValueError):
@@ -43,25 +49,22 @@ def transformers_class(raw: dict[str, Any]) -> str:
         raise NotServable(f"model_type {model_type!r} has no causal language model in transformers")
     if raw.get("is_encoder_decoder") or model_type in MASKED:
         raise NotServable(f"model_type {model_type!r} is not a decoder-only model")
-    state = _state_outside_kv(raw.get("text_config") or raw)
-    if state:
-        raise NotServable(f"{CAUSAL[model_type]} keeps state outside attention's KV cache ({state})")
+    kinds = _attention_of_its_own(raw.get("text_config") or raw)
+    if kinds:
+        raise NotServable(f"{CAUSAL[model_type]} has {', '.join(kinds)} layers, whose masks or selected keys the "
+                          f"engine's attention does not make (it makes causal and sliding-window ones)")  # fmt: skip
     return CAUSAL[model_type]
 
 
-# config.json keys of models whose layers keep state besides attention's keys and values
-# (Mamba and its hybrids, convolution layers): what config.json
-# says; the load's probe catches the rest (RWKV, xLSTM have none of these)
-_STATE_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache", "layers_block_type",
-               "attn_layer_indices", "block_types")  # fmt: skip
-_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# attention layers the engine's attention makes (linear attention: a state layer, transformers' own code)
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "linear_attention")
 
 
-def _state_outside_kv(raw: dict[str, Any]) -> str:
-    """What in a config.json says its layers keep other state ("" where nothing does)."""
-    keys = [key for key in _STATE_KEYS if raw.get(key)]
-    kinds = sorted(set(raw.get("layer_types") or ()) - set(_ATTENTION_LAYERS))
-    return ", ".join([*keys, *(f"{kind} layers" for kind in kinds)])
+def _attention_of_its_own(raw: dict[str, Any]) -> list[str]:
+    """config.json's attention layer kinds the engine does not make: Llama 4's chunked attention,
+    DeepSeek-V3.2's indexed, DeepSeek-V4's compressed ones (their masks would be ours, wrongly)."""
+    kinds = {kind for kind in raw.get("layer_types") or () if isinstance(kind, str)}
+    return sorted(kind for kind in kinds if kind.endswith("attention") and kind not in _ATTENTION_LAYERS)
 
 
 def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: str) -> ModelConfig:
@@ -184,35 +187,37 @@ def probe(model: TransformersCausalLM, dtype: torch.dtype, device: torch.device)
     tokens = list(range(1, sum(_PROBE) + 1))
     try:
         one_go = _probe_logits(model, [tokens], dtype, device)[-1]
-        split = _probe_logits(model, [tokens[: _PROBE[0]], tokens[_PROBE[0] :]], dtype, device)[-1]
+        ends = [sum(_PROBE[: i + 1]) for i in range(len(_PROBE))]
+        split = _probe_logits(model, [tokens[e - n : e] for n, e in zip(_PROBE, ends, strict=True)], dtype, device)[-1]
     except NotServable:
         raise
     except Exception as e:  # the modeling code does what our forward does not give it
         raise NotServable(f"{cfg.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
     if not torch.allclose(one_go, split, rtol=1e-3, atol=1e-3 * float(one_go.abs().max())):
-        raise NotServable(
-            f"{cfg.architecture} keeps state outside the attention's KV cache (recurrent, convolution or "
-            "shared-KV layers), which the engine's paged cache does not hold"
-        )
+        raise NotServable(f"{cfg.architecture} gives other logits when a prompt is computed in chunks than in "
+                          f"one go: {_WHY_SPLIT[bool(model.state_layers)]}")  # fmt: skip
 
 
 def _probe_logits(model: TransformersCausalLM, steps: list[list[int]], dtype, device) -> torch.Tensor:
     """Run `steps` (token lists) as successive steps of one sequence over a scratch cache; the
-    last step's logits. NotServable unless each step called attention once in every layer."""
+    last step's logits. NotServable unless each step had some layer attend or keep state and none
+    attend twice (a layer that attends by code of its own gives other logits split than in one go)."""
     cfg, block_size = model.config, 16
     caches = [torch.zeros(2, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
               for _ in range(cfg.num_layers)]  # fmt: skip
-    start, logits = 0, None
+    start, logits, states = 0, None, [{}] if model.state_layers else None
     for step in steps:
         model.attention_calls = calls = []
         try:
             batch = build_forward_batch([Span(step, start, [0, 1], 1)], block_size, device)
+            batch.layer_states = states
             logits = model.compute_logits(model(batch, caches)[batch.logits_indices])
         finally:
             model.attention_calls = None
-        if sorted(calls) != list(range(cfg.num_layers)):
-            raise NotServable(f"{cfg.architecture}: its layers do not each attend once a forward through "
-                              f"transformers' attention interface (attention code of its own, as ALiBi models have, or "
-                              f"attention-free or shared-KV layers)")  # fmt: skip
+        # a layer may do neither (Nemotron-H's MLP layers) or both (Falcon-H1's)
+        if not (calls or model.state_layers) or len(set(calls)) != len(calls):
+            raise NotServable(f"{cfg.architecture}: no layer attends through transformers' attention interface "
+                              f"or keeps state through its cache interface, or one does twice a forward (attention "
+                              f"code of its own, as ALiBi models have)")  # fmt: skip
         start += len(step)
     return logits

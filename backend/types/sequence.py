@@ -67,6 +67,8 @@ class Sequence:
     beam: BeamGroup | None = None  # a beam request's rows all point at their group (backend.beams.group)
     encoder: EncoderState | None = None  # an encoder-decoder model's source (None: a decoder-only model)
     vision: VisionState | None = None  # its images and videos (backend.vision.state; None: none)
+    # a model whose layers keep state besides attention's KV: their states (the runner's; None: none yet)
+    layer_states: dict | None = None
     # scheduling state (the scheduler's and the block manager's)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

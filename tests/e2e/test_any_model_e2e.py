@@ -69,3 +69,46 @@ def test_a_transformers_path_folder_answers_chat_with_transformers_greedy_tokens
         reply = client.chat.completions.create(model=running.served_model_name, messages=messages, max_tokens=10,
                                                temperature=0, extra_body=extra)  # fmt: skip
     assert reply.choices[0].token_ids == ref[0, len(ids) :].tolist()
+
+
+def test_a_hybrid_folder_streams_concurrent_chats_with_transformers_greedy_tokens(tmp_path, model_path):
+    """Qwen3.5's language model (gated delta net layers keeping a convolution and a recurrent
+    state, between global attention layers): three chats streamed at once, each token for token
+    transformers' alone; beam search, which would fork the state, a 400 that says why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from launcher import Stack
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = AutoConfig.for_model("qwen3_5_text", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    questions = ["Name three colors of the rainbow.", "What is 12 times 12?", "Write a haiku about autumn leaves."]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    refs = []
+    for messages in chats:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        refs.append(out[0, len(ids) :].tolist())
+    with Stack(tmp_path, env={"KV_CACHE_MB": "64"}) as running:
+        client = openai.OpenAI(base_url=running.base_url, api_key="x", max_retries=0, timeout=120)
+        name = running.served_model_name
+
+        def streamed(messages) -> list[int]:
+            stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True,
+                                                                             "return_token_ids": True})  # fmt: skip
+            return [t for chunk in stream for choice in chunk.choices for t in choice.model_extra.get("token_ids") or []]
+
+        with ThreadPoolExecutor(len(chats)) as pool:
+            got = list(pool.map(streamed, chats))
+        with pytest.raises(openai.BadRequestError, match="no beam search"):
+            client.completions.create(model=name, prompt="Hi", max_tokens=4, extra_body={"num_beams": 2})
+    assert got == refs

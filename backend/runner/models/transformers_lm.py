@@ -26,6 +26,7 @@ import torch
 from backend.runner.attention import AttentionPlan, PagedKv, build_attention_plan, paged_attention, paged_kv, write_kv
 from backend.runner.eager_attention import eager_attention
 from backend.runner.forward_batch import ForwardBatch
+from backend.runner.models.layer_state import wrap_state_layers
 from backend.runner.models.llama import linear
 from backend.runner.quant.formats import QuantizedWeight
 from backend.types.model_config import ModelConfig
@@ -46,6 +47,7 @@ class _Step:
     # computed (the load's first forward: the cache is sized by them)
     shapes: dict[int, tuple[int, int, int, int]] | None = None
     plans: dict[int | None, AttentionPlan] = field(default_factory=dict)
+    states: list[dict] | None = None  # each sequence's layer states (ForwardBatch.layer_states)
 
     def plan(self, window: int | None) -> AttentionPlan:
         if window not in self.plans:
@@ -56,6 +58,10 @@ class _Step:
 
 
 _STEP: list[_Step] = []  # the forward in progress (the engine runs one step at a time)
+
+
+def _current_step() -> _Step | None:
+    return _STEP[-1] if _STEP else None
 
 
 def paged_attention_forward(
@@ -161,18 +167,23 @@ class _HiddenOutput:
 
 class _GivenHidden(torch.nn.Module):
     """The base model's stand-in while the head's `forward` makes logits of given hidden states
-    (also where the head calls a part of the base: OPT's `model.decoder(...)`)."""
+    (also where the head calls a part of the base: OPT's `model.decoder(...)`); what else the
+    head reads of the base is the base's (Falcon-H1's `lm_head_multiplier`)."""
 
     _PARTS = ("decoder", "language_model", "transformer")  # what heads call of their base model
 
-    def __init__(self):
+    def __init__(self, base: torch.nn.Module):
         super().__init__()
         self.hidden: torch.Tensor | None = None
+        self.__dict__["_base"] = base  # not a submodule: its weights stay the base's alone
 
     def __getattr__(self, name: str):
         if name in _GivenHidden._PARTS:
             return self
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_base"], name)
 
     def forward(self, *args, **kwargs) -> _HiddenOutput:
         return _HiddenOutput(self.hidden)
@@ -192,11 +203,13 @@ class TransformersCausalLM(torch.nn.Module):
         self.hf = hf_model
         prefix = hf_model.base_model_prefix
         self.base = getattr(hf_model, prefix)
-        self._given = _GivenHidden()
+        self._given = _GivenHidden(self.base)
         setattr(hf_model, prefix, self._given)  # hf_model(...) now runs the head alone
         self._kvs: list[PagedKv] = []
         self.attention_calls: list[int] | None = None  # set: each attention call's layer is added
         self.attention_shapes: dict[int, tuple[int, int, int, int]] | None = None  # set: _Step.shapes
+        # the layers keeping state besides attention's KV (convolution, linear attention, state space)
+        self.state_layers = wrap_state_layers(self.base, _current_step)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -206,7 +219,8 @@ class TransformersCausalLM(torch.nn.Module):
             self._kvs = [paged_kv(cache) for cache in kv_caches]
         cfg = self.config
         group = max(1, cfg.num_heads // cfg.num_kv_heads)
-        _STEP.append(_Step(batch, self._kvs, group, self.attention_calls, self.attention_shapes))
+        _STEP.append(_Step(batch, self._kvs, group, self.attention_calls, self.attention_shapes,
+                           states=batch.layer_states))  # fmt: skip
         try:
             out = self.base(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:

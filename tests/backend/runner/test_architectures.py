@@ -8,7 +8,9 @@ soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
 (backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
 rotary, parallel residuals, Granite's multipliers, gpt-oss' experts, DeepSeek-V3's multi-head
 latent attention, Gemma 4's layers of two head sizes and KV head counts and its KV-shared
-layers. Models that keep state outside the KV cache, and encoders, are refused with the reason.
+layers, and the hybrids whose other layers keep state (linear attention, convolutions, Mamba 2).
+Models whose state transformers cannot continue over a chunk (Mamba), and encoders, are refused
+with the reason.
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ ARCHITECTURES = {
         "transformers",
     ),  # fmt: skip
     "opt": ({"word_embed_proj_dim": 64}, "transformers"),
+    # layers keeping state besides attention's KV (backend/runner/models/layer_state.py): Qwen3.5's
+    # gated delta net (3 linear-attention layers, then a global one), LFM2's short convolutions,
+    # Granite 4.0-H's Mamba 2 mixers
+    "qwen3_5_text": (GQA, "transformers"),
+    "lfm2": ({**GQA, "layer_types": ["conv", "full_attention"] * 2}, "transformers"),
+    "granitemoehybrid": ({**GQA, "layer_types": ["mamba", "attention"] * 2}, "transformers"),
     # transformers builds it as LlamaForCausalLM, renaming transformer.h.N.* at load: its path
     "exaone": (GQA, "transformers"),  # its head calls model.decoder; projected embeddings
     # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
@@ -186,11 +194,13 @@ def _logprobs(eng: LLMEngine, request: GenerationRequest) -> list:
 @pytest.mark.parametrize(
     ("model_type", "overrides", "reason"),
     [
-        ("mamba", {}, "state outside attention's KV cache"),  # config.json says so
-        ("rwkv", {"attention_hidden_size": 128}, "attend once"),  # it does not: the load's probe finds it
+        # transformers' Mamba continues a state over one new token, not a chunk: the probe finds it
+        ("mamba", {}, "does not continue a state over several new tokens"),
+        ("rwkv", {"attention_hidden_size": 128}, "no layer attends"),  # nor keeps state through the cache's interface
         ("bert", {"is_decoder": True}, "not a decoder-only model"),
         ("falcon", {}, "attention of its own"),  # picks its attention class by name
-        ("bloom", {}, "do not each attend once a forward"),  # ALiBi, in its own attention code
+        ("bloom", {}, "no layer attends"),  # ALiBi, in its own attention code
+        ("llama4_text", {}, "chunked_attention layers"),  # config.json says so: a mask ours is not
     ],
 )
 def test_models_the_engine_cannot_serve_are_refused_with_the_reason(tmp_path, model_type, overrides, reason):
