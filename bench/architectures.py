@@ -121,6 +121,9 @@ _HYBRID_LAYERS |= dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "
 _HYBRID_LAYERS |= {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
                    "bamba": {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 32},
                    "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1}}  # fmt: skip
+# converter flags a type needs: Qwen3.5's and Qwen3-Next's converter wants MTP layers (the real
+# checkpoints have one) unless told to leave them out
+_CONVERTER_FLAGS = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"), ("--no-mtp",))
 # special tokens some converters look up by name (GLM's), added to the default model's
 # tokenizer, which llama.cpp's converter knows
 _CONVERTERS_LOOK_UP = ["<|endoftext|>", "<|startoftext|>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",
@@ -135,7 +138,8 @@ def _converted(folder: Path, converter: str, model_type: str) -> tuple[Path | No
     does not know) a small SentencePiece model trained here on the docs."""
     _tokenizer().save_pretrained(folder)
     out = folder.parent / f"sweep-{model_type}-F32.gguf"
-    cmd = [sys.executable, converter, str(folder), "--outtype", "f32", "--outfile", str(out)]
+    cmd = [sys.executable, converter, str(folder), "--outtype", "f32", "--outfile", str(out),
+           *_CONVERTER_FLAGS.get(model_type, ())]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 and ("tokenizer.model" in done.stderr or "pre-tokenizer" in done.stderr):
         _sentencepiece(folder)

@@ -104,6 +104,7 @@ def _register_table() -> None:
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
         wrap()
+        _teach_block_types()
         reader.TENSOR_PROCESSORS.update(file_processors())
         processors = {"permute": reader.LlamaTensorProcessor, "norm": reader.Gemma2TensorProcessor}
         for arch, (keys, undo) in ARCHITECTURES.items():
@@ -115,3 +116,29 @@ def _register_table() -> None:
             if undo is not None:
                 reader.TENSOR_PROCESSORS[arch] = processors[undo]
         _registered = True
+
+
+def _teach_block_types() -> None:
+    """The block formats transformers' newer GGUF reader (the one reading Qwen3.5 and LFM2 files,
+    transformers.integrations.gguf) lacks but the gguf package dequantizes: Q5_0 and Q5_1 (a
+    Q4_K_M file's rows of a width K-quants do not divide), TQ1_0 / TQ2_0, MXFP4 ... Its tables are
+    shared dicts: each added type is read and dequantized by the gguf package's own code."""
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    try:
+        from transformers.integrations.gguf import dequant
+    except ImportError:  # a transformers without that reader
+        return
+
+    def dequantize(qtype: GGMLQuantizationType):
+        def run(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(quants.dequantize(blocks.numpy(), qtype)).to(dtype)
+
+        return run
+
+    for qtype, (elements, size) in GGML_QUANT_SIZES.items():
+        if qtype.value not in dequant.GGML_BLOCK and elements > 1 and qtype.name not in ("Q8_1", "Q8_K"):
+            dequant.GGML_BLOCK[qtype.value] = (elements, size)
+            dequant.GGML_NAME[qtype.value] = qtype.name
+            dequant._DEQUANT[qtype.value] = dequantize(qtype)
