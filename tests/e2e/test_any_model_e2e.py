@@ -105,7 +105,7 @@ def test_a_hybrid_folder_streams_concurrent_chats_with_transformers_greedy_token
             stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
                                                     stream=True, extra_body={"ignore_eos": True,
                                                                              "return_token_ids": True})  # fmt: skip
-            return [t for chunk in stream for choice in chunk.choices for t in choice.model_extra.get("token_ids") or []]
+            return [t for chunk in stream for c in chunk.choices for t in c.model_extra.get("token_ids") or []]
 
         with ThreadPoolExecutor(len(chats)) as pool:
             got = list(pool.map(streamed, chats))
