@@ -58,6 +58,8 @@ def fill_gaps(config, source: Path):
             _generic(config, local, reader.fields, arch)
         except ValueError as e:
             raise ValueError(f"{source.name}: {e}") from None
+    if config.model_type == "granitemoehybrid":
+        _granite_hybrid(config, local, {t.name: [int(n) for n in t.shape] for t in reader.tensors})
     if config.model_type == "gpt_oss":  # transformers' reader (5.24) reads its rope.scaling.* as raw bytes
         theta = local.get("rope.freq_base")
         config.rope_parameters = {**type(config)().rope_parameters, **({"rope_theta": float(theta)} if theta else {})}
@@ -188,3 +190,23 @@ def _phi3_rope(config, fields: dict[str, Any], tensors: dict[str, np.ndarray]) -
         if fields.get("rope.scaling.attn_factor"):
             params["attention_factor"] = float(fields["rope.scaling.attn_factor"])
     config.rope_parameters = params
+
+
+def _granite_hybrid(config, fields: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+    """Granite 4.0-H (`granitehybrid`): which layers attend (those holding attn_q: the file's KV
+    head count is an array, 0 on the Mamba layers, which a converter reading other layer names
+    writes all 0), their KV heads (attn_k's rows over the head size), the Mamba 2 layers' width
+    and head size (`ssm.inner_size`), RoPE or none (`rope.scaling.finetuned`, False where the
+    checkpoint has none), and no routed experts where the file has none (a shared MLP alone)."""
+    attends = [f"blk.{i}.attn_q.weight" in shapes for i in range(config.num_hidden_layers)]
+    config.layer_types = ["full_attention" if a else "linear_attention" for a in attends]
+    head = config.hidden_size // config.num_attention_heads
+    keys = next((shapes[f"blk.{i}.attn_k.weight"] for i, a in enumerate(attends) if a), None)
+    config.num_key_value_heads = keys[-1] // head if keys else config.num_attention_heads  # ggml: [in, out]
+    inner = fields.get("ssm.inner_size")
+    if inner:
+        config.mamba_expand = int(inner) // config.hidden_size
+        config.mamba_d_head = int(inner) // config.mamba_n_heads
+    config.position_embedding_type = "rope" if fields.get("rope.scaling.finetuned") else None
+    if not fields.get("expert_count"):
+        config.num_local_experts = 0

@@ -32,6 +32,7 @@ ALIASES = {
     "exaone-moe": "exaone_moe",
     "cohere2moe": "cohere2_moe",
     "mistral3": "ministral3",
+    "granitehybrid": "granitemoehybrid",
 }
 # architectures whose converter permutes the q / k rows as Llama's (a class derived from it)
 PERMUTED = frozenset({"arcee", "afmoe", "minicpm", "deepseek", "mistral3"})
@@ -70,6 +71,10 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "residual_scale": ("residual_multiplier",),
     "attn_logit_softcapping": ("attn_logit_softcapping",),
     "final_logit_softcapping": ("final_logit_softcapping",),
+    "ssm.conv_kernel": ("mamba_d_conv",),
+    "ssm.state_size": ("mamba_d_state",),
+    "ssm.group_count": ("mamba_n_groups",),
+    "ssm.time_step_rank": ("mamba_n_heads",),
 }
 # keys gguf_gaps reads (the rotary share; each layer sliding or not: an array; RoPE scaling),
 # with the config field they need (None: none)
@@ -79,6 +84,8 @@ READ_ELSEWHERE = {
     "nextn_predict_layers": "num_nextn_predict_layers",
     "rope.freq_base_swa": "rope_parameters",
     "attention.temperature_scale": "rope_parameters",
+    "ssm.inner_size": "mamba_expand",  # and the head size: gguf_gaps
+    "rope.scaling.finetuned": "position_embedding_type",  # Granite 4.0-H: False where it has no RoPE
 }
 READ_ELSEWHERE |= {
     f"rope.scaling.{key}": "rope_parameters"
@@ -102,6 +109,9 @@ VARIANTS = {"olmo3": "olmo2", "granitemoeshared": "granitemoe"}
 # a model type's variant transformers has for a file holding a key: (the key, its config
 # field, the variant); GraniteMoE with a shared expert is GraniteMoeShared
 KEYED_VARIANTS = {"granitemoe": ("expert_shared_feed_forward_length", "shared_intermediate_size", "granitemoeshared")}
+
+# model types whose per-layer KV head counts (an array: 0 on a layer without attention) gguf_gaps reads
+PER_LAYER_KV_HEADS = frozenset({"granitemoehybrid"})
 
 _lock = threading.Lock()
 _taught: dict[str, str] = {}  # file architecture -> model type, once taught
@@ -137,7 +147,7 @@ def teach(arch: str, values: dict[str, Any], foreign: list[str], source: Path) -
     fields, unread = {}, list(foreign)
     for key, value in values.items():
         field = next((f for f in _FIELDS.get(key, ()) if _holds(defaults, f)), None)
-        if field is not None:
+        if field is not None and value is not None:
             fields[key] = field
         elif not _elsewhere(defaults, key) and not _implied(key, value, values, model_type):
             unread.append(key)
@@ -189,6 +199,8 @@ def _holds(config, field: str) -> bool:
 def _implied(key: str, value: Any, values: dict[str, Any], model_type: str) -> bool:
     """Whether the file's `key` says what the model computes anyway: a head size of hidden /
     heads, the router's scoring function."""
+    if key == "attention.head_count_kv" and value is None:  # an array, a count a layer
+        return model_type in PER_LAYER_KV_HEADS
     if key in ("attention.key_length", "attention.value_length"):
         heads = values.get("attention.head_count")
         return bool(heads) and value == values.get("embedding_length", 0) // heads

@@ -8,7 +8,11 @@ hidden, 2 x width] (gate in the even columns), `ffn_down_exps` [experts, hidden,
 transposed into `down_proj`, and the attention sinks (`attn_sinks.weight`) into `sinks`;
 GraniteMoE (and -Shared: a `granitemoe` file with a shared expert), whose converter permutes
 the q / k rows as Llama's and splits transformers' fused expert and shared-MLP matrices, put
-back together under transformers 5's names (`granite_moe_tensor`)."""
+back together under transformers 5's names (`granite_moe_tensor`); Granite 4.0-H (`granitehybrid`),
+the same plus its Mamba 2 layers' small tensors as the converter reshaped them (`ssm_tensor`:
+A stored as -exp(A_log), A and D as columns, the convolution's kernel squeezed to 2-D, the
+gated norm by group) and its attention layers' q / k rows un-permuted by their own head counts
+(the file's KV head count is an array, 0 on the Mamba layers)."""
 
 from __future__ import annotations
 
@@ -32,9 +36,16 @@ _GRANITE_MOE_PARTS = {
 _GRANITE_MOE = re.compile(rf"blk\.(?P<layer>\d+)\.ffn_(?P<part>{'|'.join(_GRANITE_MOE_PARTS)})\.weight$")
 
 
+_SSM = re.compile(r"blk\.(?P<layer>\d+)\.ssm_(?P<part>a|d|conv1d\.weight|conv1d\.bias|dt\.bias|norm\.weight)$")
+# a Mamba 2 layer's tensor of the file -> transformers' parameter (GraniteMoeHybrid's `mamba.*`)
+_SSM_PARAMS = {"a": "A_log", "d": "D", "conv1d.weight": "conv1d.weight", "conv1d.bias": "conv1d.bias",
+               "dt.bias": "dt_bias", "norm.weight": "norm.weight"}  # fmt: skip
+
+
 def processors() -> dict:
     """Processors by file architecture, to put in transformers' TENSOR_PROCESSORS."""
-    return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe(), "granitemoe": _granite_moe()}
+    return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe(), "granitemoe": _granite_moe(),
+            "granitehybrid": _granite_hybrid()}  # fmt: skip
 
 
 def stacked_experts():
@@ -128,3 +139,31 @@ def granite_moe_tensor(tensors: dict[str, torch.Tensor], weights: np.ndarray, la
     if key not in tensors:
         tensors[key] = torch.zeros(*data.shape[:-2], 2 * rows, data.shape[-1], dtype=data.dtype)
     tensors[key][..., half * rows : (half + 1) * rows, :] = data
+
+
+def _granite_hybrid():
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor
+
+    class GraniteHybridFiles(_granite_moe()):
+        def process(self, weights, name: str, **kwargs):
+            parsed = kwargs.get("parsed_parameters")
+            if ".attn_k." in name or ".attn_q." in name:  # this layer's heads: the rows over the head size
+                heads = weights.shape[0] // (self.config["hidden_size"] // self.config["num_attention_heads"])
+                return GGUFTensor(self._reverse_permute_weights(weights, heads, heads), name, {})
+            if parsed is not None and (m := _SSM.match(name)):
+                key = f"model.layers.{m['layer']}.mamba.{_SSM_PARAMS[m['part']]}"
+                parsed["tensors"][key] = torch.from_numpy(ssm_tensor(weights, m["part"]))
+                return GGUFTensor(weights, None, {})
+            return super().process(weights, name, **kwargs)
+
+    return GraniteHybridFiles
+
+
+def ssm_tensor(weights: np.ndarray, part: str) -> np.ndarray:
+    """A Mamba 2 layer's small tensor as transformers holds it (see the module's doc)."""
+    data = np.array(weights, dtype=np.float32)
+    if part == "a":
+        return np.log(-data.reshape(-1))
+    if part == "conv1d.weight":  # [channels, kernel] -> [channels, 1, kernel]
+        return data.reshape(data.shape[0], 1, data.shape[-1])
+    return data.reshape(-1)

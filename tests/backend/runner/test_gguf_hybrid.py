@@ -3,14 +3,21 @@ newer GGUF reader (transformers.integrations.gguf: Qwen3.5, LFM2), which lacks s
 formats llama.cpp's files mix in: an LFM2 file, written as llama.cpp's converter writes it
 (its per-layer KV head counts, the convolution's kernel squeezed to 2-D), its linears in Q5_0
 (a Q4_K_M file's format for rows K-quants do not divide), served on the transformers path with
-each sequence's convolution state kept, its tokens and logprobs transformers' on the same numbers."""
+each sequence's convolution state kept, its tokens and logprobs transformers' on the same numbers;
+and a Granite 4.0-H file (`granitehybrid`, Mamba 2 layers), which transformers' older reader does
+not map, read by ours (gguf_gaps, gguf_processors)."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
+import torch
 from gguf import GGUFValueType
 
 from backend.runner import gguf_model
 from backend.runner.quant.formats import QuantizedWeight
+from tests.backend.runner.test_gguf_generic import granite_moe_layout
 from tests.backend.runner.test_transformers_quant import assert_close, build, greedy_reference, linears, serve
 from tests.helpers.gguf_files import file_numbers, write_from_hf
 
@@ -35,4 +42,64 @@ def test_an_lfm2_file_in_q5_0_gives_its_checkpoints_tokens_with_its_convolution_
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == "Lfm2ForCausalLM" and eng.runner.keeps_state
     assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())  # the file's blocks
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def _granite_hybrid_layout(groups: int):
+    """llama.cpp's converter on Granite 4.0-H: the Mamba 2 layers' small tensors reshaped (A as
+    -exp(A_log), A and D as columns, the kernel squeezed, the gated norm by group), the experts
+    and shared MLP split as GraniteMoE's."""
+
+    def layout(name: str, data):
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(A_log|D|conv1d\.weight|conv1d\.bias|dt_bias|norm\.weight)",
+                             name)  # fmt: skip
+        if match is None:
+            return granite_moe_layout(name, data)
+        block, part = f"blk.{match[1]}.", match[2]
+        written = {
+            "A_log": lambda: -np.exp(data)[:, None],
+            "D": lambda: data[:, None],
+            "conv1d.weight": lambda: data[:, 0, :],
+            "norm.weight": lambda: data.reshape(groups, -1),
+        }.get(part, lambda: data)()
+        suffix = {"A_log": "ssm_a", "D": "ssm_d", "dt_bias": "ssm_dt.bias"}.get(part, "ssm_" + part)
+        return [(block + suffix, written)]
+
+    return layout
+
+
+def test_a_granite_4_h_file_gives_its_checkpoints_tokens_with_its_mamba_state(tmp_path, monkeypatch):
+    """A `granitehybrid` file as llama.cpp writes it (Mamba 2 layers between attention layers
+    with RoPE, q / k rows permuted, routed experts beside a shared MLP, the KV head count an
+    array): read into GraniteMoeHybrid (gguf_gaps, gguf_processors), served with each
+    sequence's Mamba state kept, transformers' tokens and logprobs."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    mamba = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
+    model = build("granitemoehybrid", layer_types=["mamba", "attention"], num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, shared_intermediate_size=64, position_embedding_type="rope",
+                  **mamba)  # fmt: skip
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": [0, 2], "layer_norm_rms_eps": 1e-6, "expert_count": 4,
+                "expert_used_count": 2, "expert_shared_feed_forward_length": 64, "embedding_scale": 1.0,
+                "attention_scale": model.config.attention_multiplier, "residual_scale": 1.0, "logit_scale": 1.0,
+                "rope_freq_base": model.config.rope_parameters["rope_theta"], "ssm_conv_kernel": 4,
+                "ssm_inner_size": 256, "ssm_state_size": 16, "ssm_time_step_rank": 8, "ssm_group_count": 1,
+                "rope_scaling_finetuned": True}  # fmt: skip
+    with torch.no_grad():  # a long memory (A near 0, small steps) and no skip (D): the state moves the logits
+        mixer = model.model.layers[0].mamba
+        mixer.A_log.copy_(torch.linspace(0.01, 0.1, 8).log())
+        mixer.dt_bias.fill_(-2.0)
+        mixer.D.zero_()
+        mixer.in_proj.weight.mul_(5)
+        mixer.out_proj.weight.mul_(30)
+    file_numbers(model)
+    with torch.no_grad():  # A as the file holds it, -exp(A_log), read back as log(-A)
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.from_numpy(np.log(np.exp(param.numpy()))))
+    source = write_from_hf(tmp_path / "granite-h.Q8_0.gguf", model, "granitehybrid", "Q8_0", settings, permuted=True,
+                           layout=_granite_hybrid_layout(1))  # fmt: skip
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == "GraniteMoeHybridForCausalLM" and eng.runner.keeps_state
+    assert eng.runner.model.state_layers == [0]
     assert_close(tokens, logprobs, *greedy_reference(model))
