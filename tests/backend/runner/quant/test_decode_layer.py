@@ -151,3 +151,34 @@ def test_layers_the_fused_call_does_not_cover_keep_their_path(activations, tmp_p
     assert model.layers[0].decode_operands() is not None  # q/k norms: fused
     unquantized = load_model(tmp_path / "qwen3", torch.float32, CPU)
     assert unquantized.layers[0].decode_operands() is None  # float32 linears
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2"])
+def test_a_busy_step_cut_into_one_run_a_thread_keeps_every_rows_numbers(name, activations, tmp_path, monkeypatch):
+    """18 sequences: from 16 rows on, decode_layer cuts a step's rows into one run a thread,
+    at sequences' starts (a prefill's rows read the keys their sequence's earlier rows write in
+    the same layer). The logits and the caches are the layer-by-layer path's and a one-thread
+    run's (the loops split instead), bit for bit."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no runs to cut")
+    model = _quantized(CONFIGS[name](), tmp_path, "int4", activations)
+    cfg = model.config
+    prompts = [[(3 * i + 5 * j) % 256 for j in range(2 + i % 5)] for i in range(18)]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        caches = [torch.zeros(2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        return _decode_logits(model, prompts, steps=4, caches=caches), caches
+
+    runs, runs_caches = run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one, one_caches = run()
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_decode", lambda *a: False)
+    plain, plain_caches = run()
+    for other, other_caches in ((one, one_caches), (plain, plain_caches)):
+        assert all(torch.equal(got, want) for got, want in zip(runs, other, strict=True))
+        assert all(torch.equal(got, want) for got, want in zip(runs_caches, other_caches, strict=True))
