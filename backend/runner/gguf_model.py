@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,17 +23,27 @@ _LAYOUT = 3  # what a prepared folder holds; a new one prepares every file again
 
 
 def gguf_file(path: str | Path) -> Path | None:
-    """The GGUF file `path` names: the file itself, or a folder's only .gguf when the folder
-    has no config.json; None for a Hugging Face folder."""
+    """The GGUF file `path` names: the file itself, or a folder's only .gguf (or the first part
+    of the one split file it holds) when the folder has no config.json; None for a Hugging Face
+    folder."""
     path = Path(path).expanduser()
     if path.is_file():
         return path.resolve() if path.suffix == ".gguf" or _magic(path) else None
     if not path.is_dir() or (path / "config.json").exists():
         return None
-    files = sorted(path.glob("*.gguf"))
+    files = _one_split(sorted(path.glob("*.gguf")))
     if len(files) > 1:
         raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); name one")
     return files[0].resolve() if files else None
+
+
+def _one_split(files: list[Path]) -> list[Path]:
+    """[the first part] where `files` are the parts of one GGUF split by gguf-split
+    (`name-00001-of-00003.gguf` ...: the first holds the metadata); else `files`."""
+    names = [re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", f.name) for f in files]
+    if len(files) < 2 or not all(names) or len({(m[1], m[3]) for m in names}) != 1:
+        return files
+    return [f for f, m in zip(files, names, strict=True) if m[2] == "00001"] or files
 
 
 def gguf_source(folder: str | Path) -> Path | None:
@@ -75,29 +86,12 @@ def _check(source: Path) -> None:
     """ValueError, one line, for a file we cannot serve before transformers parses it."""
     from backend.runner.quant.gguf_blocks import read_tensor_table
 
-    read_tensor_table(source)  # not a GGUF, truncated: its own ValueError
-    _check_whole(source)
+    read_tensor_table(source)  # not a GGUF, truncated, a split file's later part or one missing: its own ValueError
     with source.open("rb") as f:
         head = f.read(1 << 20)
     if _TOKENIZER_KEY not in head:
         raise ValueError(f"{source.name} has no tokenizer in its metadata ({_TOKENIZER_KEY.decode()}); "
                          f"a GGUF made without one cannot be served")  # fmt: skip
-
-
-def _check_whole(source: Path) -> None:
-    """ValueError, one line, for one part of a GGUF split into several files (llama.cpp's
-    `gguf-split`: the metadata in the first, the tensors spread over all): read alone it lacks
-    weights."""
-    from gguf import GGUFReader
-
-    from backend.runner.gguf_archs import field_value
-
-    fields = GGUFReader(source).fields
-    count = field_value(fields["split.count"]) if "split.count" in fields else None
-    if count is not None and count > 1:
-        part = field_value(fields["split.no"]) + 1 if "split.no" in fields else "?"
-        raise ValueError(f"{source.name} is part {part} of a GGUF split into {count} files; merge them into one "
-                         f"first: llama-gguf-split --merge {source.name} {source.parent / 'merged.gguf'}")  # fmt: skip
 
 
 def _write_folder(source: Path, out: Path) -> None:

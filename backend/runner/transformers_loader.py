@@ -17,6 +17,7 @@ from backend.runner.gguf_archs import register as register_gguf_architectures
 from backend.runner.gguf_model import gguf_source
 from backend.runner.models.transformers_lm import ATTENTION, TransformersCausalLM, register_attention, row_linears
 from backend.runner.quant.apply import QuantSpec
+from backend.runner.quant.gguf_blocks import split_parts
 from backend.runner.transformers_quant import quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
@@ -121,6 +122,7 @@ def load_transformers_model(
     source = gguf_source(folder)  # a GGUF file: transformers dequantizes its tensors
     if source is not None:
         register_gguf_architectures(source)
+        _one_file(source)
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
     try:
@@ -148,6 +150,14 @@ def load_transformers_model(
     probe(model, dtype, device)
     print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else ""), file=sys.stderr)
     return model
+
+
+def _one_file(source: Path) -> None:
+    """NotServable for a GGUF split into parts: transformers reads the tensors of one file."""
+    parts = split_parts(source)
+    if len(parts) > 1:
+        raise NotServable(f"{source.name} is split into {len(parts)} files, and the transformers path reads one: "
+                          f"merge them first: llama-gguf-split --merge {source.name} merged.gguf")  # fmt: skip
 
 
 @torch.inference_mode()

@@ -66,14 +66,15 @@ def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np
 def write_model(
     path: Path, layer_types: list[dict[str, str] | str], arch: str = "llama", embed: str = "Q8_0",
     output: str | None = None, tokenizer: bool = True, chat_template: bool = True, seed: int = 0,
-    extra: list[tuple[str, object, GGUFValueType]] = (),
+    extra: list[tuple[str, object, GGUFValueType]] = (), split_tensors: int = 0,
 ) -> Path:  # fmt: skip
     """A GGUF model of len(layer_types) layers; each entry a block type for all its linears, or
     {linear: type}. `output`: an untied lm_head's type (None: tied to the embedding);
     `tokenizer`, `chat_template`: whether the metadata holds them; `extra`: (key, value, type)
-    as they are."""
+    as they are; `split_tensors`: at most so many tensors a file, as llama.cpp's gguf-split
+    writes them (`name-00001-of-0000N.gguf`, the metadata in the first; its path returned)."""
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_tensors)
     for key, value, kind in extra:
         writer.add_key_value(key, value, kind)
     writer.add_block_count(len(layer_types))
@@ -107,7 +108,7 @@ def write_model(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(Path(path))[0] if split_tensors else path
 
 
 def _shapes() -> dict[str, tuple[int, int]]:
@@ -171,6 +172,7 @@ def write_phi3(
 def write_from_hf(
     path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False,
     norm_shift: float = 0.0, extra: list[tuple[str, object, GGUFValueType]] = (), layout=None,
+    split_tensors: int = 0,
 ) -> Path:  # fmt: skip
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
     gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
@@ -178,10 +180,10 @@ def write_from_hf(
     to every norm as it does for Gemma's); `settings`: GGUFWriter.add_<key> values
     (block_count ...), `extra` (key, value, type) as they are, plus the default model's tokenizer;
     `layout(name, array)`: the (file name, array) pairs a converter writes for a parameter it
-    handles itself, or None."""
+    handles itself, or None; `split_tensors`: write_model's."""
     import gguf
 
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_tensors)
     for name, value in settings.items():
         getattr(writer, f"add_{name}")(value)
     for key, value, kind, item in tokenizer_fields():
@@ -214,7 +216,7 @@ def write_from_hf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(Path(path))[0] if split_tensors else path
 
 
 def file_numbers(model, type_name: str = "Q8_0") -> None:

@@ -15,6 +15,7 @@ into QuantizedWeights or float32 tensors exactly, and those others into int8 one
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,14 +66,41 @@ class GgufTensor:
 # GGUF's numbering: metadata value types and their sizes
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+_INTEGERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}  # GGUF's integer kinds
 
 
 def read_tensor_table(path: Path) -> list[GgufTensor]:
     """The GGUF file's tensors, as views of the memory-mapped file (one of a type we do not
     serve is listed too, but its `data` and `weight()` raise a ValueError naming it). Only
     what locating the tensors needs is parsed: the `gguf` package's reader decodes every
-    metadata string (the whole vocabulary), seconds per load. A file cut short: ValueError."""
-    raw, infos, start = _tensor_infos(path)
+    metadata string (the whole vocabulary), seconds per load. A file cut short: ValueError.
+    The first part of a file llama.cpp's gguf-split cut into parts (`name-00001-of-00003.gguf`,
+    the metadata in the first, the tensors spread over all): every part's tensors."""
+    return [tensor for part in split_parts(path) for tensor in _part_tensors(part)]
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files a GGUF's tensors are in: [path] for a whole file; for the first part of a
+    split one, every part, beside it by gguf-split's names. ValueError, one line, for a later
+    part (the first must be named: it holds the metadata) or a part missing."""
+    path = Path(path)
+    _raw, _infos, _start, (number, count) = _tensor_infos(path)
+    if count <= 1:
+        return [path]
+    first = re.fullmatch(r"(.*)-00001-of-(\d{5})\.gguf", path.name)
+    if number != 0 or first is None or int(first[2]) != count:
+        raise ValueError(f"{path.name} is part {number + 1} of a GGUF split into {count} files: name the first, "
+                         f"the one named *-00001-of-{count:05d}.gguf, which holds the metadata")  # fmt: skip
+    parts = [path.with_name(f"{first[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise ValueError(f"{path.name} is part 1 of a GGUF split into {count} files, and {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not beside it")  # fmt: skip
+    return parts
+
+
+def _part_tensors(path: Path) -> list[GgufTensor]:
+    raw, infos, start, _split = _tensor_infos(path)
     tensors = []
     for name, kind, dims, offset in infos:
         type_name = gguf_type_name(kind)
@@ -89,8 +117,11 @@ def read_tensor_table(path: Path) -> list[GgufTensor]:
     return tensors
 
 
-def _tensor_infos(path: Path) -> tuple[np.ndarray, list[tuple[str, int, tuple[int, ...], int]], int]:
-    """(the mapped file, (name, type, shape, offset) of each tensor, where their data starts)."""
+def _tensor_infos(
+    path: Path,
+) -> tuple[np.ndarray, list[tuple[str, int, tuple[int, ...], int]], int, tuple[int, int]]:
+    """(the mapped file, (name, type, shape, offset) of each tensor, where their data starts,
+    (split.no, split.count): (0, 1) for a whole file)."""
     if Path(path).stat().st_size == 0:
         raise ValueError(f"{path} is truncated: it is empty")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -100,16 +131,23 @@ def _tensor_infos(path: Path) -> tuple[np.ndarray, list[tuple[str, int, tuple[in
         raise ValueError(f"{path} is truncated: its header ends early ({error})") from None
 
 
-def _parse_header(buffer: memoryview, path: Path) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int]:
+_SPLIT_KEYS = {"split.no": 0, "split.count": 1}
+
+
+def _parse_header(
+    buffer: memoryview, path: Path
+) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int, tuple[int, int]]:
     magic, _version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buffer, 0)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
-    at, alignment = 24, 32
+    at, alignment, split = 24, 32, [0, 1]
     for _ in range(num_fields):
         key, at = _string(buffer, at)
         (kind,), at = struct.unpack_from("<I", buffer, at), at + 4
         if key == "general.alignment":
             alignment = struct.unpack_from("<I", buffer, at)[0]
+        if key in _SPLIT_KEYS and kind in _INTEGERS:
+            split[_SPLIT_KEYS[key]] = struct.unpack_from(_INTEGERS[kind], buffer, at)[0]
         at = _skip_value(buffer, at, kind)
     infos = []
     for _ in range(num_tensors):
@@ -118,7 +156,7 @@ def _parse_header(buffer: memoryview, path: Path) -> tuple[list[tuple[str, int, 
         shape, at = struct.unpack_from(f"<{dims}Q", buffer, at), at + 8 * dims
         (kind, offset), at = struct.unpack_from("<IQ", buffer, at), at + 12
         infos.append((name, kind, shape, offset))
-    return infos, -(-at // alignment) * alignment
+    return infos, -(-at // alignment) * alignment, (split[0], split[1])
 
 
 def read_architecture(path: Path) -> str:
@@ -185,12 +223,12 @@ def read_gguf_weights(
 def linear_format(path: Path) -> tuple[str, int, bool] | None:
     """(kind, group, symmetric) of the GGUF's decoder linears when all are stored in one block
     format we serve (the default model: Q4_1 -> int4, 32, False); None otherwise."""
-    _, infos, _ = _tensor_infos(path)
     parts = {part for names in _PARTS.values() for part in names}
-    types = {kind for name, kind, _, _ in infos if name.startswith("blk.") and name.split(".")[2] in parts}
-    if len(types) != 1 or gguf_type_name(next(iter(types))) not in _FORMATS:
+    tensors = read_tensor_table(path)
+    types = {t.type_name for t in tensors if t.name.startswith("blk.") and t.name.split(".")[2] in parts}
+    if len(types) != 1 or next(iter(types)) not in _FORMATS:
         return None
-    kind, symmetric = _FORMATS[gguf_type_name(types.pop())]
+    kind, symmetric = _FORMATS[types.pop()]
     return kind, BLOCK, symmetric
 
 

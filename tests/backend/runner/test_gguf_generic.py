@@ -97,6 +97,23 @@ def test_a_checkpoint_missing_weights_is_refused_not_served_with_random_ones(tmp
         engine(tmp_path)
 
 
+def test_a_split_file_on_the_transformers_path_is_refused_naming_the_merge(tmp_path, monkeypatch):
+    """transformers reads one file's tensors: a model it runs from a split GGUF is refused with
+    the command that merges the parts (our own forward reads every part: test_gguf_models)."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_eps": 1e-5, "logit_scale": 0.25}  # fmt: skip
+    first = write_from_hf(tmp_path / "cohere.Q8_0.gguf", build("cohere", logit_scale=0.25), "command-r", "Q8_0",
+                          settings, split_tensors=12)  # fmt: skip
+    assert first.name == "cohere.Q8_0-00001-of-00002.gguf"
+    with pytest.raises(
+        ValueError,
+        match=r"cohere\.Q8_0-00001-of-00002\.gguf is split into 2 files, and the "
+        r"transformers path reads one: merge them first: llama-gguf-split --merge",
+    ):
+        serve(first, quant="auto")
+
+
 def gpt_oss_layout(name: str, data):
     """llama.cpp's converter on gpt-oss: each expert's gate and up projections split out of the
     interleaved gate_up_proj, transposed to rows, down_proj transposed, the sinks named."""

@@ -148,17 +148,31 @@ def test_a_file_without_a_tokenizer_is_refused_in_one_line(tmp_path):
         model_folder(path)
 
 
-def test_one_part_of_a_split_file_is_refused_in_one_line_naming_the_merge(tmp_path):
-    """llama.cpp's gguf-split spreads a model's tensors over several files; the first holds the
-    metadata, so read alone it would lack weights."""
-    from gguf import GGUFValueType
+def test_a_file_split_into_parts_is_served_from_all_of_them(tmp_path):
+    """llama.cpp's gguf-split spreads a model's tensors over several files
+    (`name-00001-of-00003.gguf`, the metadata in the first): MODEL names the first, and the
+    engine reads every part's tensors, giving the tokens of the same model in one file."""
+    layers = ["Q8_0", "Q4_K", "Q5_0"]
+    (tmp_path / "whole").mkdir(), (tmp_path / "split").mkdir()
+    whole = write_model(tmp_path / "whole" / "tiny.gguf", layers, embed="Q8_0", output="Q6_K")
+    first = write_model(tmp_path / "split" / "tiny.gguf", layers, embed="Q8_0", output="Q6_K", split_tensors=10)
+    assert first.name == "tiny-00001-of-00003.gguf" and len(list(first.parent.glob("*.gguf"))) == 3
+    assert gguf_file(first.parent) == first.resolve()  # a folder of the parts: its first
+    _, want = _run(whole, "int8")
+    _, got = _run(first, "int8")
+    assert got == want and len(got) == NEW_TOKENS
 
-    split = [("split.no", 0, GGUFValueType.UINT16), ("split.count", 3, GGUFValueType.UINT16),
-             ("split.tensors.count", 40, GGUFValueType.INT32)]  # fmt: skip
-    path = write_model(tmp_path / "big-00001-of-00003.gguf", ["Q8_0"], extra=split)
-    with pytest.raises(ValueError, match=r"big-00001-of-00003\.gguf is part 1 of a GGUF split into 3 files; "
-                                         r"merge them into one first: llama-gguf-split --merge"):  # fmt: skip
-        model_folder(path)
+
+def test_a_later_part_or_a_missing_one_is_refused_in_one_line(tmp_path):
+    first = write_model(tmp_path / "big.gguf", ["Q8_0", "Q8_0"], split_tensors=8)
+    second = first.with_name("big-00002-of-00003.gguf")
+    with pytest.raises(ValueError, match=r"big-00002-of-00003\.gguf is part 2 of a GGUF split into 3 files: "
+                                         r"name the first, the one named \*-00001-of-00003\.gguf"):  # fmt: skip
+        model_folder(second)
+    second.unlink()
+    with pytest.raises(ValueError, match=r"big-00001-of-00003\.gguf is part 1 of a GGUF split into 3 files, "
+                                         r"and big-00002-of-00003\.gguf is not beside it"):  # fmt: skip
+        model_folder(first)
 
 
 def test_an_architecture_transformers_cannot_read_is_refused_with_the_list(tmp_path):
