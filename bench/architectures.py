@@ -109,6 +109,8 @@ def _checkpoint(model_type: str, folder: Path, converter: str | None):
 # Qwen3-MoE: top-k weights renormalized; the MLA models: as many KV heads as heads)
 _CONVERTER_ASSUMES = {"phi": {"intermediate_size": 4 * 128, "partial_rotary_factor": 0.4},
                       "qwen3_moe": {"norm_topk_prob": True}}  # fmt: skip
+# Mamba 1 / Falcon-Mamba: a mixer 2 x hidden wide (the converter asserts it)
+_CONVERTER_ASSUMES |= dict.fromkeys(("mamba", "falcon_mamba"), {"intermediate_size": 2 * 128})
 # Gemma 2 / 3: scores scaled by 1 / sqrt(head size), as llama.cpp does and the checkpoints but 27B say
 _CONVERTER_ASSUMES |= dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), {"query_pre_attn_scalar": 32})
 _MLA = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
@@ -141,7 +143,7 @@ def _converted(folder: Path, converter: str, model_type: str) -> tuple[Path | No
     cmd = [sys.executable, converter, str(folder), "--outtype", "f32", "--outfile", str(out),
            *_CONVERTER_FLAGS.get(model_type, ())]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 and ("tokenizer.model" in done.stderr or "pre-tokenizer" in done.stderr):
+    if done.returncode != 0 and any(want in done.stderr for want in ("tokenizer.model", "pre-tokenizer", "Llama BPE")):
         _sentencepiece(folder)
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

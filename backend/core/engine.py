@@ -111,6 +111,7 @@ class LLMEngine:
             config.scheduling_policy,
             encoder_cache=encoder_cache,
             vision_merge=self.vision.merge_size if self.vision is not None else 0,
+            whole_prompts=self.runner.whole_prompts,
         )
         self._lora_counts: dict[str, tuple[int, int]] = {}  # lora_requests' names so far
         self._grammars: GrammarCompiler | None = None  # made on the first grammar request

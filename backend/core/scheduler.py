@@ -11,7 +11,9 @@ a prompt's chunk is at most `shared_chunk` (a quarter of the budget), and the ru
 prompts' chunks leave that quarter to the decodes behind them and the admissions. So a
 long prompt (prompt logprobs included) holds the others for one step at most: the
 steps that carry their decodes or admit them compute a quarter-budget chunk of it, and
-a request that arrives during its prefill is admitted at the next step. When the pool
+a request that arrives during its prefill is admitted at the next step. A model whose state
+layers cannot continue a state over a chunk (Mamba's) has each prompt computed whole: in the
+step's budget, or beyond it where nothing but decodes came before it. When the pool
 runs dry for a running sequence, the most recently admitted one (SCHEDULING_POLICY=
 priority: the lowest priority; backend.core.ordering) is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed (its
@@ -59,8 +61,10 @@ class Scheduler:
         policy: str = "fcfs",
         encoder_cache: EncoderCache | None = None,
         vision_merge: int = 0,
+        whole_prompts: bool = False,
     ):
         self.block_manager = block_manager
+        self.whole_prompts = whole_prompts  # never chunked (a model whose state layers cannot continue a chunk)
         self.lora = lora  # the adapters' lanes: a sequence with an adapter runs only while it holds one
         self.guards = guards
         self.max_num_seqs = max_num_seqs
@@ -231,6 +235,9 @@ class Scheduler:
         the budget (to the decodes behind it and the admissions)."""
         if remaining <= 1:
             return min(remaining, budget)
+        if self.whole_prompts:  # whole, in the budget or with nothing but decodes before it
+            alone = budget >= self.max_num_batched_tokens - len(self.running)
+            return remaining if remaining <= budget or alone else 0
         others_wait = len(self.waiting) > (1 if admitting else 0) and len(self.running) < self.max_num_seqs
         decoding = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
         if not (others_wait or decoding):

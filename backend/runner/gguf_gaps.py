@@ -1,7 +1,8 @@
 """What transformers' GGUF reader (5.24) leaves out of a file's config, read from the file
 itself: a Mixtral's experts (llama.cpp writes Mixtral as a "llama" file with an
 `expert_count`; the reader makes it a dense Llama), a MoE's expert width (Qwen2/3-MoE),
-Gemma 2 / 3's attention scale, soft-caps and RoPE settings, and Phi-3's RoPE: the share of each head it turns
+Gemma 2 / 3's attention scale, soft-caps and RoPE settings, Falcon-Mamba (a "mamba" file whose
+mixers normalize dt, B and C), and Phi-3's RoPE: the share of each head it turns
 (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dims), longrope (its factor tensors, the
 original context, the attention factor) and the sliding window. Without them transformers
 serves such a file with other numbers than the checkpoint it came from."""
@@ -60,6 +61,8 @@ def fill_gaps(config, source: Path):
             raise ValueError(f"{source.name}: {e}") from None
     if config.model_type == "granitemoehybrid":
         _granite_hybrid(config, local, {t.name: [int(n) for n in t.shape] for t in reader.tensors})
+    if config.model_type == "mamba" and local.get("ssm.dt_b_c_rms"):  # llama.cpp writes Falcon-Mamba so
+        config = _falcon_mamba(config)
     if config.model_type == "gpt_oss":  # transformers' reader (5.24) reads its rope.scaling.* as raw bytes
         theta = local.get("rope.freq_base")
         config.rope_parameters = {**type(config)().rope_parameters, **({"rope_theta": float(theta)} if theta else {})}
@@ -78,6 +81,13 @@ def _olmo3(config, window: int):
     values = {k: v for k, v in config.to_dict().items() if k not in _NOT_CARRIED}
     theta = (config.rope_parameters or {}).get("rope_theta")
     return Olmo3Config(**values, sliding_window=window, **({"rope_theta": theta} if theta else {}))
+
+
+def _falcon_mamba(config):
+    """A "mamba" file whose mixers normalize dt, B and C (`ssm.dt_b_c_rms`) is Falcon-Mamba."""
+    from transformers import FalconMambaConfig
+
+    return FalconMambaConfig(**{k: v for k, v in config.to_dict().items() if k not in _NOT_CARRIED})
 
 
 def _generic(config, fields: dict[str, Any], raw, arch: str) -> None:

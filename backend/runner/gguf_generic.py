@@ -105,7 +105,7 @@ READ_ELSEWHERE |= {
 _GATING = {"glm4_moe": 2}
 # a model type transformers has for a variant of an architecture (OLMo 3 is written as "olmo2"
 # with sliding windows: gguf_gaps makes its config) -> the file architecture naming its tensors
-VARIANTS = {"olmo3": "olmo2", "granitemoeshared": "granitemoe"}
+VARIANTS = {"olmo3": "olmo2", "granitemoeshared": "granitemoe", "falcon_mamba": "mamba"}
 # a model type's variant transformers has for a file holding a key: (the key, its config
 # field, the variant); GraniteMoE with a shared expert is GraniteMoeShared
 KEYED_VARIANTS = {"granitemoe": ("expert_shared_feed_forward_length", "shared_intermediate_size", "granitemoeshared")}

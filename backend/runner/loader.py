@@ -97,8 +97,8 @@ def _not_served(folder: Path, raw: dict, reason: NotServable, refusal: str) -> V
     return ValueError(
         f"{model_name(folder)} is not served: {reason}. Our own forward takes {', '.join(SUPPORTED_ARCHITECTURES)}"
         + (f" ({ours})" if ours else "")
-        + "; transformers' modeling code takes any decoder-only *ForCausalLM it implements whose layers all "
-        "attend (no recurrent or convolution layers)"
+        + "; transformers' modeling code takes any decoder-only *ForCausalLM it implements whose layers attend "
+        "through its attention interface or keep state through its cache interface"
     )
 
 

@@ -85,6 +85,7 @@ class ModelRunner:
         self.native = not isinstance(self.model, TransformersCausalLM)  # False: the generic path
         # layers keeping state besides attention's KV (backend/runner/models/layer_state.py)
         self.keeps_state = bool(getattr(self.model, "state_layers", None))
+        self.whole_prompts = bool(getattr(self.model, "whole_prompts", False))  # each prompt in one step
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
         mc = self.model_config

@@ -1,7 +1,7 @@
 """Loading a checkpoint on the generic path (backend/runner/models/transformers_lm.py): any
-decoder-only `*ForCausalLM` transformers implements, checked at load by a probe that it keeps
-no state outside the attention's KV cache (recurrent or convolution layers), which our paged
-cache could not hold."""
+decoder-only `*ForCausalLM` transformers implements, checked at load by a probe that its layers
+attend through our paged cache or keep state through transformers' cache interface, and
+continue it from step to step (`probe`: over chunks of a prompt, or only one token at a time)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from backend.types.model_config import ModelConfig
 _PROBE = (3, 2, 1)  # tokens of the probe's steps (a prefill, a chunk continuing it, then a decode)
 
 
-_WHY_SPLIT = {  # a model whose state layers transformers continues over one new token but not several
-    True: "transformers' code for its state layers does not continue a state over several new tokens (Mamba, Jamba)",
+_WHY_SPLIT = {  # why a model gives other logits in steps than in one go: it has state layers, or not
+    True: "transformers' code for its state layers continues their state neither over several new tokens nor one",
     False: "it keeps state outside attention's KV cache and transformers' cache interface (recurrent code of its own)",
 }
 
@@ -71,7 +71,7 @@ def _attention_of_its_own(raw: dict[str, Any]) -> list[str]:
 def model_config(hf_config: Any, folder: Path, raw: dict[str, Any], class_name: str) -> ModelConfig:
     """Our ModelConfig of a transformers config: what the KV pool and the engine size by."""
     text = hf_config.get_text_config()
-    heads = text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None) or 1  # attention-free (Mamba): the pool's blocks count tokens
     kv_heads = _global(text, "num_key_value_heads") or heads  # attention_shape sees the layers' own
     window = _global(text, "sliding_window")
     layer_types = _global(text, "layer_types") or ()
@@ -148,7 +148,9 @@ def load_transformers_model(
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     model.config = attention_shape(model, device)
     probe(model, dtype, device)
-    print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else ""), file=sys.stderr)
+    whole = "; each prompt in one step (its state layers continue over one new token, not several)"
+    print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else "")
+          + (whole if model.whole_prompts else ""), file=sys.stderr)  # fmt: skip
     return model
 
 
@@ -191,21 +193,49 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
 @torch.inference_mode()
 def probe(model: TransformersCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """NotServable unless every layer attends through our cache once a forward and the model
-    keeps no other state: a prompt's last logits in one forward must equal those of a prefill
-    then a decode step (a recurrent layer, run without its state, would give others)."""
+    keeps no other state than its state layers', which they continue from one step to the next:
+    a prompt computed in one forward must give the logits, and each state layer the output, of
+    the same prompt in a prefill, a chunk continuing it and a decode step (a recurrent layer run
+    without its state would give others). Where only a chunk gives others, and the prompt in
+    one step then a decode step do not, the model's state layers continue a state over one new
+    token but not several (Mamba's, Jamba's, Falcon-Mamba's): `model.whole_prompts` is set, and
+    the engine computes each prompt in one step."""
     cfg = model.config
     tokens = list(range(1, sum(_PROBE) + 1))
     try:
-        one_go = _probe_logits(model, [tokens], dtype, device)[-1]
-        ends = [sum(_PROBE[: i + 1]) for i in range(len(_PROBE))]
-        split = _probe_logits(model, [tokens[e - n : e] for n, e in zip(_PROBE, ends, strict=True)], dtype, device)[-1]
+        one_go = _probe_run(model, [tokens], dtype, device)
+        if _same(one_go, _probe_run(model, _steps(tokens, _PROBE), dtype, device)):
+            return
+        whole = (sum(_PROBE[:-1]), _PROBE[-1])
+        if model.state_layers and _same(one_go, _probe_run(model, _steps(tokens, whole), dtype, device)):
+            model.whole_prompts = True
+            return
     except NotServable:
         raise
     except Exception as e:  # the modeling code does what our forward does not give it
         raise NotServable(f"{cfg.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
-    if not torch.allclose(one_go, split, rtol=1e-3, atol=1e-3 * float(one_go.abs().max())):
-        raise NotServable(f"{cfg.architecture} gives other logits when a prompt is computed in chunks than in "
-                          f"one go: {_WHY_SPLIT[bool(model.state_layers)]}")  # fmt: skip
+    raise NotServable(f"{cfg.architecture} gives other logits when a prompt is computed in steps than in one "
+                      f"go: {_WHY_SPLIT[bool(model.state_layers)]}")  # fmt: skip
+
+
+def _steps(tokens: list[int], lengths: tuple[int, ...]) -> list[list[int]]:
+    ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+    return [tokens[e - n : e] for n, e in zip(lengths, ends, strict=True)]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two probe runs' outputs (the last logits, then each state layer's) agree."""
+    return all(torch.allclose(x, y, rtol=1e-3, atol=1e-3 * float(x.abs().max())) for x, y in zip(a, b, strict=True))
+
+
+def _probe_run(model: TransformersCausalLM, steps: list[list[int]], dtype, device) -> list[torch.Tensor]:
+    """The last step's logits of `steps`, then each state layer's output at its last row."""
+    model.state_outputs = outputs = {}
+    try:
+        logits = _probe_logits(model, steps, dtype, device)
+    finally:
+        model.state_outputs = None
+    return [logits, *(outputs[layer] for layer in sorted(outputs))]
 
 
 def _probe_logits(model: TransformersCausalLM, steps: list[list[int]], dtype, device) -> torch.Tensor:

@@ -34,7 +34,8 @@ def build(model_type: str, folder: Path, overrides: dict) -> torch.nn.Module:
 def sharpen(model: torch.nn.Module, model_type: str, by: float = 8.0) -> None:
     """Scale every q and k by `by` (their projections, or the q / k norms that follow them):
     with 0.02-std random weights scores are near 0 and attention near uniform, so RoPE,
-    windows, caps and sinks would barely move the logits; with scores 64 x larger they do."""
+    windows, caps and sinks would barely move the logits; with scores 64 x larger they do.
+    And give state-space mixers a long memory (`_lengthen_memory`)."""
     with torch.no_grad():
         norms = {name for name, _ in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))}
         for name, param in model.named_parameters():
@@ -42,6 +43,24 @@ def sharpen(model: torch.nn.Module, model_type: str, by: float = 8.0) -> None:
                 param.mul_(by).add_(by - 1)
             elif name in norms or (not norms and name.endswith(_QK_PROJECTIONS)):
                 param.mul_(by)
+        for module in model.modules():
+            if isinstance(getattr(module, "A_log", None), torch.nn.Parameter) and hasattr(module, "D"):
+                _lengthen_memory(module)
+
+
+def _lengthen_memory(mixer: torch.nn.Module) -> None:
+    """A state-space mixer with a long memory (A near 0, small steps), no skip term (D) and
+    larger projections: with random weights its state barely moves the logits, and a state
+    lost or computed wrongly would pass unseen; so it does."""
+    a_log = mixer.A_log
+    a_log.copy_(torch.linspace(0.01, 0.1, a_log.shape[-1]).log().expand_as(a_log))
+    mixer.D.zero_()
+    bias = getattr(mixer, "dt_bias", None)
+    bias = bias if bias is not None else getattr(getattr(mixer, "dt_proj", None), "bias", None)
+    if bias is not None:
+        bias.fill_(-2.0)
+    mixer.in_proj.weight.mul_(5)
+    mixer.out_proj.weight.mul_(30)
 
 
 # q, k (or fused q|k|v, whose v scaled along does no harm) projections of the families above

@@ -101,6 +101,8 @@ class _StateForward:
             if out is None:
                 out = y.new_empty(1, hidden.shape[1], *y.shape[2:])
             out[0, rows] = y.reshape(len(rows), *y.shape[2:]) if group is decoding else y[0]
+        if step.state_outputs is not None:
+            step.state_outputs[self.layer] = out[0, -1].float().clone()
         return (out, *rest) if rest else out
 
 

@@ -28,7 +28,7 @@ from backend.runner.eager_attention import eager_attention
 from backend.runner.forward_batch import ForwardBatch
 from backend.runner.models.layer_state import wrap_state_layers
 from backend.runner.models.llama import linear
-from backend.runner.quant.formats import QuantizedWeight
+from backend.runner.quant.formats import QuantizedWeight, dequantize
 from backend.types.model_config import ModelConfig
 
 ATTENTION = "engine_paged_kv"  # our attn_implementation's name in transformers' AttentionInterface
@@ -48,6 +48,8 @@ class _Step:
     shapes: dict[int, tuple[int, int, int, int]] | None = None
     plans: dict[int | None, AttentionPlan] = field(default_factory=dict)
     states: list[dict] | None = None  # each sequence's layer states (ForwardBatch.layer_states)
+    # where set, each state layer's output at the step's last row (the load's probe)
+    state_outputs: dict[int, torch.Tensor] | None = None
 
     def plan(self, window: int | None) -> AttentionPlan:
         if window not in self.plans:
@@ -124,13 +126,18 @@ class RowLinear(torch.nn.Module):
         super().__init__()
         self.weight_t = weight_t
         self.bias = bias
+        self.dequantized: torch.Tensor | None = None  # a quantized weight_t's, once read (`weight`)
 
     @property
     def weight(self) -> torch.Tensor:
-        """nn.Linear's [out, in] (a view), for modeling code that reads it."""
-        if isinstance(self.weight_t, QuantizedWeight):
-            raise AttributeError("a quantized RowLinear has no float weight")
-        return self.weight_t.t()
+        """nn.Linear's [out, in] (a view), for modeling code that reads it (Mamba's time step,
+        `self.dt_proj.weight @ ...`, its head's `self.lm_head.weight.dtype`); a quantized one's
+        dequantized at its first read and kept (the forward still multiplies the blocks)."""
+        if not isinstance(self.weight_t, QuantizedWeight):
+            return self.weight_t.t()
+        if self.dequantized is None:
+            self.dequantized = dequantize(self.weight_t)
+        return self.dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x.reshape(-1, x.shape[-1]), self.weight_t, self.bias)
@@ -208,6 +215,10 @@ class TransformersCausalLM(torch.nn.Module):
         self._kvs: list[PagedKv] = []
         self.attention_calls: list[int] | None = None  # set: each attention call's layer is added
         self.attention_shapes: dict[int, tuple[int, int, int, int]] | None = None  # set: _Step.shapes
+        self.state_outputs: dict[int, torch.Tensor] | None = None  # set: _Step.state_outputs
+        # True: each prompt computed in one step (the load's probe: state layers that continue a
+        # state over one new token but not over several, as Mamba's and Jamba's)
+        self.whole_prompts = False
         # the layers keeping state besides attention's KV (convolution, linear attention, state space)
         self.state_layers = wrap_state_layers(self.base, _current_step)
 
@@ -220,7 +231,7 @@ class TransformersCausalLM(torch.nn.Module):
         cfg = self.config
         group = max(1, cfg.num_heads // cfg.num_kv_heads)
         _STEP.append(_Step(batch, self._kvs, group, self.attention_calls, self.attention_shapes,
-                           states=batch.layer_states))  # fmt: skip
+                           states=batch.layer_states, state_outputs=self.state_outputs))  # fmt: skip
         try:
             out = self.base(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:

@@ -22,9 +22,10 @@ def make_seq(n, rid, start=0):
     return Sequence.of(rid, request, 0.0, GuardState(PhaseGuard(Markers())))
 
 
-def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens):
+def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, whole_prompts=False):
     guards = Guards((EOS,), 1 << 20, ModelSettings(), Markers(), ToolGuards())
-    return Scheduler(BlockManager(num_blocks, BS), guards, max_num_seqs, max_num_batched_tokens)
+    return Scheduler(BlockManager(num_blocks, BS), guards, max_num_seqs, max_num_batched_tokens,
+                     whole_prompts=whole_prompts)  # fmt: skip
 
 
 def run_step(sched, plan, new_token=7):
@@ -102,6 +103,19 @@ def test_a_long_prompt_admitted_beside_decodes_takes_a_quarter_and_leaves_room_f
     p = sched.schedule()
     # d0, d1 decode; p0, p1 take a quarter each; p2 would leave less than a quarter; late admitted
     assert plan_of(p) == [("d0", 1), ("d1", 1), ("p0", 4), ("p1", 4), ("p2", 2), ("late", 4)]
+
+
+def test_whole_prompts_are_never_chunked_and_a_long_one_runs_with_nothing_but_decodes_before_it():
+    """A model whose state layers cannot continue a chunk (Mamba's): each prompt in one step."""
+    sched = make_scheduler(256, max_num_seqs=8, max_num_batched_tokens=16, whole_prompts=True)
+    p = _admit(sched, [make_seq(3, "d0"), make_seq(10, "a", start=40), make_seq(30, "long", start=100)])
+    assert plan_of(p) == [("d0", 3), ("a", 10)]  # long fits neither the budget left nor comes first
+    run_step(sched, p)
+    sched.add(make_seq(4, "late", start=300))
+    p = sched.schedule()
+    assert plan_of(p) == [("d0", 1), ("a", 1), ("long", 30)]  # beyond the budget: only decodes before it
+    run_step(sched, p)
+    assert plan_of(sched.schedule()) == [("d0", 1), ("a", 1), ("long", 1), ("late", 4)]
 
 
 def test_max_num_seqs_limits_admission():

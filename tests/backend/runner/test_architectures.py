@@ -8,9 +8,10 @@ soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
 (backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
 rotary, parallel residuals, Granite's multipliers, gpt-oss' experts, DeepSeek-V3's multi-head
 latent attention, Gemma 4's layers of two head sizes and KV head counts and its KV-shared
-layers, and the hybrids whose other layers keep state (linear attention, convolutions, Mamba 2).
-Models whose state transformers cannot continue over a chunk (Mamba), and encoders, are refused
-with the reason.
+layers, and the hybrids whose other layers keep state (linear attention, convolutions, Mamba 2),
+Mamba and Jamba (whose state transformers continues over one new token, not a chunk: each prompt
+is computed in one step). Models the engine cannot serve, and encoders, are refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from tests.helpers.tiny_checkpoints import (
 )
 
 WINDOW = 8
+JAMBA = dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+             expert_layer_offset=1)  # fmt: skip
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 SLIDING = ["sliding_attention", "full_attention"] * 2
 GEMMA3_ROPE = {  # Gemma 3 4B and larger: the global layers' RoPE linearly scaled, the sliding layers' not
@@ -127,6 +130,10 @@ ARCHITECTURES = {
     "qwen3_5_text": (GQA, "transformers"),
     "lfm2": ({**GQA, "layer_types": ["conv", "full_attention"] * 2}, "transformers"),
     "granitemoehybrid": ({**GQA, "layer_types": ["mamba", "attention"] * 2}, "transformers"),
+    # Mamba's mixers and Jamba's (attention, Mamba and expert layers): transformers continues their
+    # state over one new token but not several, so each prompt is computed in one step
+    "mamba": ({}, "transformers"),
+    "jamba": ({**GQA, **JAMBA}, "transformers"),
     # transformers builds it as LlamaForCausalLM, renaming transformer.h.N.* at load: its path
     "exaone": (GQA, "transformers"),  # its head calls model.decoder; projected embeddings
     # multi-head latent attention (keys of 48, values of 24: the cache holds both padded to 48),
@@ -164,6 +171,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_alone(checkpoint):
     model_type, folder, path, (ref, logits) = checkpoint
     eng = engine(folder)
     assert eng.runner.native == (path == "native")
+    assert eng.scheduler.whole_prompts == (model_type in ("mamba", "jamba"))  # the others' prompts in chunks
     tokens, finals = run_to_completion(eng, {"alone": greedy()})
     assert_matches(tokens["alone"], ref, logits, model_type)
     expected = torch.log_softmax(logits, dim=-1)
@@ -194,8 +202,6 @@ def _logprobs(eng: LLMEngine, request: GenerationRequest) -> list:
 @pytest.mark.parametrize(
     ("model_type", "overrides", "reason"),
     [
-        # transformers' Mamba continues a state over one new token, not a chunk: the probe finds it
-        ("mamba", {}, "does not continue a state over several new tokens"),
         ("rwkv", {"attention_hidden_size": 128}, "no layer attends"),  # nor keeps state through the cache's interface
         ("bert", {"is_decoder": True}, "not a decoder-only model"),
         ("falcon", {}, "attention of its own"),  # picks its attention class by name

@@ -5,13 +5,15 @@ formats llama.cpp's files mix in: an LFM2 file, written as llama.cpp's converter
 (a Q4_K_M file's format for rows K-quants do not divide), served on the transformers path with
 each sequence's convolution state kept, its tokens and logprobs transformers' on the same numbers;
 and a Granite 4.0-H file (`granitehybrid`, Mamba 2 layers), which transformers' older reader does
-not map, read by ours (gguf_gaps, gguf_processors)."""
+not map, read by ours (gguf_gaps, gguf_processors); Mamba and Falcon-Mamba files (`mamba`), whose
+prompts the engine computes whole."""
 
 from __future__ import annotations
 
 import re
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGUFValueType
 
@@ -20,6 +22,7 @@ from backend.runner.quant.formats import QuantizedWeight
 from tests.backend.runner.test_gguf_generic import granite_moe_layout
 from tests.backend.runner.test_transformers_quant import assert_close, build, greedy_reference, linears, serve
 from tests.helpers.gguf_files import file_numbers, write_from_hf
+from tests.helpers.tiny_checkpoints import sharpen
 
 
 def _lfm2_layout(name: str, data):
@@ -102,4 +105,40 @@ def test_a_granite_4_h_file_gives_its_checkpoints_tokens_with_its_mamba_state(tm
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == "GraniteMoeHybridForCausalLM" and eng.runner.keeps_state
     assert eng.runner.model.state_layers == [0]
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def _mamba_layout(name: str, data):
+    """What llama.cpp's converter writes for a Mamba mixer's A (-exp(A_log)) and kernel (2-D)."""
+    match = re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.(A_log|conv1d\.weight)", name)
+    if match is None:
+        return None
+    layer, part = match.groups()
+    return [(f"blk.{layer}.ssm_a", -np.exp(data))] if part == "A_log" else [(f"blk.{layer}.ssm_conv1d.weight",
+                                                                             data[:, 0, :])]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_a_mamba_file_gives_its_checkpoints_tokens_each_prompt_computed_whole(tmp_path, monkeypatch, model_type):
+    """llama.cpp writes Mamba and Falcon-Mamba as one architecture, "mamba", Falcon's with its
+    dt / B / C norms flagged (`ssm.dt_b_c_rms`): the flag makes the file a Falcon-Mamba (gguf_gaps);
+    transformers continues their state over one new token, not several: each prompt in one step."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    model = build(model_type, intermediate_size=256, state_size=16, time_step_rank=8, conv_kernel=4)
+    sharpen(model, model_type)  # a long memory: the state moves the logits
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 0,
+                "head_count": 0, "ssm_conv_kernel": 4, "ssm_inner_size": 256, "ssm_state_size": 16,
+                "ssm_time_step_rank": 8, "layer_norm_rms_eps": model.config.layer_norm_epsilon,
+                "ssm_dt_b_c_rms": model_type == "falcon_mamba"}  # fmt: skip
+    file_numbers(model)
+    with torch.no_grad():  # A as the file holds it, -exp(A_log), read back as log(-A)
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.from_numpy(np.log(np.exp(param.numpy()))))
+    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, "mamba", "Q8_0", settings,
+                           layout=_mamba_layout)  # fmt: skip
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == type(model).__name__ and eng.scheduler.whole_prompts
+    blocks = {name.split(".")[-1] for name, row in linears(eng).items() if isinstance(row.weight_t, QuantizedWeight)}
+    assert blocks == {"in_proj", "x_proj", "out_proj", "lm_head"}  # the file's blocks (dt_proj's rows of 8: F32)
     assert_close(tokens, logprobs, *greedy_reference(model))
