@@ -25,13 +25,19 @@ from backend.sampling.vocab import load_tokenizer
 from backend.types.model_config import ModelConfig
 
 
-def allocate_kv(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device) -> list:
+def allocate_kv(
+    cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device, empty: tuple[int, ...] = ()
+) -> list:
     """One cache a layer, [2, num_blocks, block_size, KV, head_dim], zeroed; on the CPU, on huge
-    pages (a decode step reads each sequence's blocks whole)."""
+    pages (a decode step reads each sequence's blocks whole); the layers in `empty` (that never
+    attend) get caches of no blocks."""
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     if torch.device(device).type == "cpu":
-        return [huge_pages.zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        caches = [huge_pages.zeros(shape, dtype) if i not in empty else None for i in range(num_layers)]
+    else:
+        caches = [torch.zeros(shape, dtype=dtype, device=device) if i not in empty else None for i in range(num_layers)]
+    none = (2, 0, *shape[2:])
+    return [c if c is not None else torch.zeros(none, dtype=dtype, device=device) for c in caches]
 
 
 def kv_block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:

@@ -87,12 +87,15 @@ class ModelRunner:
         self.keeps_state = bool(getattr(self.model, "state_layers", None))
         self.whole_prompts = bool(getattr(self.model, "whole_prompts", False))  # each prompt in one step
         self.draft = self._load_draft(config)  # SPEC_DRAFT_MODEL's forward, when it drafts
-        self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_bytes)
+        self.num_blocks = config.num_blocks or self._num_blocks_for(config)
         mc = self.model_config
-        self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.kv_caches = allocate_kv(mc, mc.num_layers, self.num_blocks, self.block_size, self.kv_dtype, self.device,
+                                     empty=mc.kv_free_layers)  # fmt: skip
         dtype_name = str(self.kv_dtype).removeprefix("torch.")
+        free = len(mc.kv_free_layers)
+        free = f"; {free} of {mc.num_layers} layers never attend and hold none" if free else ""
         print(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens in {dtype_name} "
-              f"(KV_CACHE_DTYPE={config.kv_cache_dtype})", file=sys.stderr)  # fmt: skip
+              f"(KV_CACHE_DTYPE={config.kv_cache_dtype}){free}", file=sys.stderr)  # fmt: skip
         self.mtp = MtpRunner(self.model, self.num_blocks, self.block_size) if self.model.mtp is not None else None
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
@@ -114,18 +117,22 @@ class ModelRunner:
             raise ValueError(f"SPEC_DRAFT_MODEL is set, but SPECULATIVE={config.speculative} does not draft with it")
         return DraftModelRunner(config.spec_draft_model, config.model_path, self.model_config, self.dtype, self.device)
 
-    def _num_blocks_for(self, kv_cache_bytes: int) -> int:
-        """Blocks the pool holds: each block's keys in every layer, the MTP layers' and
-        the draft model's included."""
+    def _num_blocks_for(self, config: EngineConfig) -> int:
+        """Blocks the pool holds: each block's keys in every layer that attends, the MTP
+        layers' and the draft model's included. A model no layer of which attends (Mamba)
+        holds no keys: its blocks only count each sequence's tokens, MAX_NUM_SEQS sequences
+        of the longest context (at most 2^16 blocks)."""
         mc, bs = self.model_config, self.block_size
-        per_block = kv_block_bytes(mc, mc.num_layers, bs, self.kv_dtype) + kv_block_bytes(
+        per_block = kv_block_bytes(mc, mc.num_layers - len(mc.kv_free_layers), bs, self.kv_dtype) + kv_block_bytes(
             mc, mc.num_mtp_layers, bs, self.dtype
         )
         if self.draft is not None:
             per_block += self.draft.block_bytes(bs, self.dtype)
-        num_blocks = kv_cache_bytes // per_block
+        if not per_block:
+            return min(config.max_num_seqs * -(-(config.max_model_len or mc.max_position_embeddings) // bs), 1 << 16)
+        num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 2:
-            raise ValueError(f"KV cache of {kv_cache_bytes} bytes holds fewer than 2 blocks; raise KV_CACHE_MB")
+            raise ValueError(f"KV cache of {config.kv_cache_bytes} bytes holds fewer than 2 blocks; raise KV_CACHE_MB")
         return int(num_blocks)
 
     @torch.inference_mode()

@@ -170,7 +170,7 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
     head; Gemma 4's global layers with other head sizes and fewer KV heads than its sliding
     ones). Every layer's cache holds the most KV heads any layer has (a layer with fewer
     repeats each, as grouped-query attention shares them) and the largest head size (attention
-    zero-pads the smaller)."""
+    zero-pads the smaller). A model keeping state: the layers that never attend hold no KV."""
     model.attention_shapes = shapes = {}
     try:
         model(build_forward_batch([Span([1, 2], 0, [0], 1)], 16, device), [])
@@ -178,8 +178,10 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
         raise NotServable(f"{model.config.architecture} fails on the engine's forward ({type(e).__name__}: {e})") from e
     finally:
         model.attention_shapes = None
+    # a model keeping state: its layers that never attend (state layers, MLP-only ones) hold no KV
+    free = tuple(i for i in range(model.config.num_layers) if i not in shapes) if model.state_layers else ()
     if not shapes:  # attention-free: the probe says so
-        return model.config
+        return replace(model.config, kv_free_layers=free)
     q_heads = {q for q, _, _, _ in shapes.values()}
     kv_heads = max(kv for _, kv, _, _ in shapes.values())
     if len(q_heads) != 1 or any(kv_heads % kv or next(iter(q_heads)) % kv_heads for _, kv, _, _ in shapes.values()):
@@ -187,7 +189,7 @@ def attention_shape(model: TransformersCausalLM, device: torch.device) -> ModelC
         raise NotServable(f"{model.config.architecture}: its layers' (query, KV) head counts {counts} do not "
                           f"share one cache layout")  # fmt: skip
     size = max(max(k, v) for _, _, k, v in shapes.values())
-    return replace(model.config, num_heads=q_heads.pop(), num_kv_heads=kv_heads, head_dim=size)
+    return replace(model.config, num_heads=q_heads.pop(), num_kv_heads=kv_heads, head_dim=size, kv_free_layers=free)
 
 
 @torch.inference_mode()

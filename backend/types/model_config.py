@@ -56,6 +56,8 @@ class ModelConfig:
     attn_logit_softcapping: float = 0.0  # > 0: attention scores soft-capped (Gemma 2); 0: off
     final_logit_softcapping: float = 0.0  # > 0: logits soft-capped; 0: off
     local_rope: RopeConfig | None = None  # the sliding-window layers' RoPE (Gemma 3); None: `rope`
+    # layers that never attend (a hybrid's state layers, Mamba's every layer): their KV caches are empty
+    kv_free_layers: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -158,6 +158,11 @@ ARCHITECTURES = {
 }
 
 
+# the hybrids' layers that never attend: their KV caches hold no blocks
+KV_FREE_LAYERS = {"qwen3_5_text": (0, 1, 2), "lfm2": (0, 2), "granitemoehybrid": (0, 2), "mamba": (0, 1, 2, 3),
+                  "jamba": (0, 2)}  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def checkpoint(request, tmp_path_factory):
     model_type = request.param
@@ -172,6 +177,9 @@ def test_greedy_tokens_and_logprobs_match_transformers_alone(checkpoint):
     eng = engine(folder)
     assert eng.runner.native == (path == "native")
     assert eng.scheduler.whole_prompts == (model_type in ("mamba", "jamba"))  # the others' prompts in chunks
+    free = KV_FREE_LAYERS.get(model_type, ())  # a state layer never attends: no KV blocks
+    assert eng.runner.model_config.kv_free_layers == free
+    assert [cache.shape[1] == 0 for cache in eng.runner.kv_caches] == [i in free for i in range(4)]
     tokens, finals = run_to_completion(eng, {"alone": greedy()})
     assert_matches(tokens["alone"], ref, logits, model_type)
     expected = torch.log_softmax(logits, dim=-1)
