@@ -50,6 +50,7 @@ class M2M100Config:
     is_encoder_decoder: bool = True
     num_mtp_layers: int = 0
     sliding_windows: tuple[int | None, ...] = ()
+    kv_free_layers: tuple[int, ...] = ()  # every decoder layer attends
 
     @classmethod
     def load(cls, folder: str | Path) -> M2M100Config:
