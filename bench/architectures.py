@@ -123,6 +123,12 @@ _HYBRID_LAYERS |= dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "
 _HYBRID_LAYERS |= {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
                    "bamba": {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 32},
                    "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1}}  # fmt: skip
+# Gemma 3n: its last two layers reuse the keys and values of the two before (one of each
+# kind); per-layer inputs of a small vocabulary (the default's 262,144 x 1,024 would be most of it)
+_HYBRID_LAYERS |= {"gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                                    "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+                                    "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16,
+                                    "laurel_rank": 8, "sliding_window": 16}}  # fmt: skip
 # converter flags a type needs: Qwen3.5's and Qwen3-Next's converter wants MTP layers (the real
 # checkpoints have one) unless told to leave them out
 _CONVERTER_FLAGS = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"), ("--no-mtp",))

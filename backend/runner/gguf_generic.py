@@ -33,6 +33,7 @@ ALIASES = {
     "cohere2moe": "cohere2_moe",
     "mistral3": "ministral3",
     "granitehybrid": "granitemoehybrid",
+    "gemma3n": "gemma3n_text",
 }
 # architectures whose converter permutes the q / k rows as Llama's (a class derived from it)
 PERMUTED = frozenset({"arcee", "afmoe", "minicpm", "deepseek", "mistral3"})

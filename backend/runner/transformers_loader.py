@@ -15,9 +15,10 @@ import torch
 from backend.runner.forward_batch import Span, build_forward_batch
 from backend.runner.gguf_archs import register as register_gguf_architectures
 from backend.runner.gguf_model import gguf_source
-from backend.runner.models.transformers_lm import ATTENTION, TransformersCausalLM, register_attention, row_linears
+from backend.runner.models.transformers_lm import TransformersCausalLM, register_attention, row_linears
 from backend.runner.quant.apply import QuantSpec
 from backend.runner.quant.gguf_blocks import split_parts
+from backend.runner.transformers_build import NotServable, build
 from backend.runner.transformers_quant import quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
@@ -29,10 +30,6 @@ _WHY_SPLIT = {  # why a model gives other logits in steps than in one go: it has
     True: "transformers' code for its state layers continues their state neither over several new tokens nor one",
     False: "it keeps state outside attention's KV cache and transformers' cache interface (recurrent code of its own)",
 }
-
-
-class NotServable(ValueError):
-    """A checkpoint the generic path cannot serve, and why."""
 
 
 def transformers_class(raw: dict[str, Any]) -> str:
@@ -114,7 +111,7 @@ def load_transformers_model(
     folder: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
 ) -> TransformersCausalLM:
     """The folder's checkpoint on the generic path; NotServable where it cannot run there."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     class_name = transformers_class(raw)
     register_attention()
@@ -125,18 +122,9 @@ def load_transformers_model(
         _one_file(source)
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
-    try:
-        hf_model, loading = AutoModelForCausalLM.from_pretrained(
-            **where, config=hf_config, dtype=dtype, attn_implementation=ATTENTION, output_loading_info=True
-        )
-    except KeyError as e:  # modeling code that picks its attention class by name (Falcon)
-        if ATTENTION not in str(e):
-            raise
-        raise NotServable(f"{class_name}'s modeling code has attention of its own, not transformers' "
-                          f"attention interface, which the engine's paged cache goes through") from None  # fmt: skip
-    except ImportError as e:  # a part built on a package not installed (Gemma 3n's vision tower: timm)
-        why = " ".join(str(e).split())[:200] or "transformers names none"
-        raise NotServable(f"{class_name} needs a package that is not installed ({why})") from None
+    hf_model, loading, hf_config = build(where, hf_config, dtype, class_name)
+    whose = type(hf_model).__name__
+    alone = f" (its language model alone: {whose})" if hf_config.model_type != raw.get("model_type") else ""
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers would start them at random
         raise NotServable(f"{class_name}: {len(missing)} weights are not in the checkpoint "
@@ -149,7 +137,7 @@ def load_transformers_model(
     model.config = attention_shape(model, device)
     probe(model, dtype, device)
     whole = "; each prompt in one step (its state layers continue over one new token, not several)"
-    print(f"model: {class_name} on the transformers path" + (f"; {quantized}" if quantized else "")
+    print(f"model: {class_name} on the transformers path{alone}" + (f"; {quantized}" if quantized else "")
           + (whole if model.whole_prompts else ""), file=sys.stderr)  # fmt: skip
     return model
 

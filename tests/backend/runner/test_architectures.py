@@ -8,7 +8,8 @@ soft-capping, Gemma 3's two RoPEs); the rest run on the generic path
 (backend/runner/models/transformers_lm.py): QK norm, attention sinks, NoPE layers, partial
 rotary, parallel residuals, Granite's multipliers, gpt-oss' experts, DeepSeek-V3's multi-head
 latent attention, Gemma 4's layers of two head sizes and KV head counts and its KV-shared
-layers, and the hybrids whose other layers keep state (linear attention, convolutions, Mamba 2),
+layers, Gemma 3n's AltUp and Laurel (and its multimodal folder's language model, served alone), and the
+hybrids whose other layers keep state (linear attention, convolutions, Mamba 2),
 Mamba and Jamba (whose state transformers continues over one new token, not a chunk: each prompt
 is computed in one step). Models the engine cannot serve, and encoders, are refused with the
 reason.
@@ -51,6 +52,9 @@ GEMMA3_ROPE = {  # Gemma 3 4B and larger: the global layers' RoPE linearly scale
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
 }
+GEMMA3N = {**GQA, "layer_types": SLIDING, "sliding_window": WINDOW, "num_kv_shared_layers": 2,
+           "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "laurel_rank": 8,
+           "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16}  # fmt: skip
 # model_type[:variant] -> (config overrides, the path the engine must take)
 ARCHITECTURES = {
     "llama": (GQA, "native"),
@@ -123,6 +127,9 @@ ARCHITECTURES = {
         },
         "transformers",
     ),  # fmt: skip
+    # Gemma 3n E2B / E4B: KV sharing as Gemma 4's, AltUp's four streams, Laurel's low-rank
+    # residual, per-layer inputs, a sparse first MLP (top 5% of its gate, by a Gaussian's quantile)
+    "gemma3n_text": (GEMMA3N, "transformers"),
     "opt": ({"word_embed_proj_dim": 64}, "transformers"),
     # layers keeping state besides attention's KV (backend/runner/models/layer_state.py): Qwen3.5's
     # gated delta net (3 linear-attention layers, then a global one), LFM2's short convolutions,
@@ -225,15 +232,24 @@ def test_models_the_engine_cannot_serve_are_refused_with_the_reason(tmp_path, mo
         engine(tmp_path)
 
 
-def test_a_model_whose_parts_need_a_package_not_installed_is_refused_naming_it(tmp_path):
-    """Gemma 3n's vision tower is built on timm, which the project does not install."""
-    pytest.importorskip("transformers.models.gemma3n")
+def test_a_gemma3n_folder_serves_its_language_model_without_the_vision_towers_package(tmp_path):
+    """Gemma 3n ships as Gemma3nForConditionalGeneration, whose vision tower transformers builds
+    on timm (not installed here): its language model (model.language_model.*) is served alone,
+    as transformers' Gemma3nForCausalLM, the towers' weights unread."""
     if importlib.util.find_spec("timm") is not None:
-        pytest.skip("timm is installed here")
-    AutoConfig.for_model("gemma3n").save_pretrained(tmp_path)
-    save_file({"unread": torch.zeros(1)}, tmp_path / "model.safetensors")  # the load stops before reading it
-    with pytest.raises(ValueError, match="Gemma3nForConditionalGeneration needs a package that is not installed"):
-        engine(tmp_path)
+        pytest.skip("timm is installed here: the full model builds")
+    text = build("gemma3n_text", tmp_path / "text", GEMMA3N)
+    ref, logits = reference(text, PROMPT)
+    folder = tmp_path / "gemma3n"
+    AutoConfig.for_model("gemma3n", text_config=text.config.to_dict()).save_pretrained(folder)
+    weights = {f"model.language_model.{name.removeprefix('model.')}": tensor.contiguous()
+               for name, tensor in text.state_dict().items() if name != "lm_head.weight"}  # fmt: skip
+    weights["model.vision_tower.timm_model.conv_stem.conv.weight"] = torch.zeros(8, 3, 3, 3)
+    save_file(weights, folder / "model.safetensors")
+    eng = engine(folder)
+    assert not eng.runner.native and eng.runner.model_config.architecture == "Gemma3nForConditionalGeneration"
+    tokens, _ = run_to_completion(eng, {"t": greedy()})
+    assert_matches(tokens["t"], ref, logits, "gemma3n (its language model)")
 
 
 def test_a_gemma3_vision_language_checkpoint_runs_its_language_model_on_our_forward(tmp_path):
