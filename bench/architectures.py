@@ -89,7 +89,7 @@ def _checkpoint(model_type: str, folder: Path, converter: str | None):
 
     vocab = {"vocab_size": len(_tokenizer())} if converter else {}
     dims = {**DIMS, **vocab, **_CONVERTER_ASSUMES.get(model_type, {})} if converter else DIMS
-    dims = {**dims, **_HYBRID_LAYERS.get(model_type, {})}
+    dims = {**dims, **_HYBRID_LAYERS.get(model_type, {}), **_MULTIPLIERS.get(model_type, {})}
     failure = ""
     for extra in (GQA, {}) if model_type not in _NO_GQA else ({},):
         try:
@@ -129,6 +129,11 @@ _HYBRID_LAYERS |= {"gemma3n_text": {"layer_types": ["sliding_attention", "full_a
                                     "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
                                     "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16,
                                     "laurel_rank": 8, "sliding_window": 16}}  # fmt: skip
+# multipliers other than 1, which llama.cpp's converter folds into the weights (Falcon-H1)
+_MULTIPLIERS = {"falcon_h1": {"lm_head_multiplier": 0.8, "embedding_multiplier": 2.0, "key_multiplier": 0.5,
+                              "attention_in_multiplier": 1.2, "attention_out_multiplier": 0.9, "ssm_in_multiplier": 1.3,
+                              "ssm_out_multiplier": 0.6, "mlp_multipliers": [1.5, 0.7],
+                              "ssm_multipliers": [0.9, 1.1, 1.2, 0.8, 1.4], "mamba_rms_norm": True}}  # fmt: skip
 # converter flags a type needs: Qwen3.5's and Qwen3-Next's converter wants MTP layers (the real
 # checkpoints have one) unless told to leave them out
 _CONVERTER_FLAGS = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"), ("--no-mtp",))

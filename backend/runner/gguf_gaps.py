@@ -61,6 +61,8 @@ def fill_gaps(config, source: Path):
             raise ValueError(f"{source.name}: {e}") from None
     if config.model_type == "granitemoehybrid":
         _granite_hybrid(config, local, {t.name: [int(n) for n in t.shape] for t in reader.tensors})
+    if config.model_type == "falcon_h1":
+        _falcon_h1(config, local, {t.name for t in reader.tensors})
     if config.model_type == "mamba" and local.get("ssm.dt_b_c_rms"):  # llama.cpp writes Falcon-Mamba so
         config = _falcon_mamba(config)
     if config.model_type == "gpt_oss":  # transformers' reader (5.24) reads its rope.scaling.* as raw bytes
@@ -81,6 +83,17 @@ def _olmo3(config, window: int):
     values = {k: v for k, v in config.to_dict().items() if k not in _NOT_CARRIED}
     theta = (config.rope_parameters or {}).get("rope_theta")
     return Olmo3Config(**values, sliding_window=window, **({"rope_theta": theta} if theta else {}))
+
+
+def _falcon_h1(config, fields: dict[str, Any], tensors: set[str]) -> None:
+    """Falcon-H1 (`falcon-h1`): its Mamba 2 mixers' width and head size (`ssm.inner_size` over
+    `ssm.time_step_rank` heads) and their gated norm where the file holds one. Its multipliers
+    stay at the config's defaults, 1: the converter folds each into the weights it scales."""
+    inner = fields.get("ssm.inner_size")
+    if inner:
+        config.mamba_d_ssm = int(inner)
+        config.mamba_d_head = int(inner) // config.mamba_n_heads
+    config.mamba_rms_norm = "blk.0.ssm_norm.weight" in tensors
 
 
 def _falcon_mamba(config):

@@ -12,7 +12,9 @@ back together under transformers 5's names (`granite_moe_tensor`); Granite 4.0-H
 the same plus its Mamba 2 layers' small tensors as the converter reshaped them (`ssm_tensor`:
 A stored as -exp(A_log), A and D as columns, the convolution's kernel squeezed to 2-D, the
 gated norm by group) and its attention layers' q / k rows un-permuted by their own head counts
-(the file's KV head count is an array, 0 on the Mamba layers)."""
+(the file's KV head count is an array, 0 on the Mamba layers); Falcon-H1 (`falcon-h1`): the
+same Mamba 2 tensors (its q / k rows as transformers has them), and its pre-MLP norm, which the
+converter names without ".weight"."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ _GRANITE_MOE = re.compile(rf"blk\.(?P<layer>\d+)\.ffn_(?P<part>{'|'.join(_GRANIT
 
 _SSM = re.compile(r"blk\.(?P<layer>\d+)\.ssm_(?P<part>a|d|conv1d\.weight|conv1d\.bias|dt\.bias|norm\.weight)$")
 # a Mamba 2 layer's tensor of the file -> transformers' parameter (GraniteMoeHybrid's `mamba.*`)
+_FFN_NORM = re.compile(r"blk\.(?P<layer>\d+)\.ffn_norm(\.weight)?$")
 _SSM_PARAMS = {"a": "A_log", "d": "D", "conv1d.weight": "conv1d.weight", "conv1d.bias": "conv1d.bias",
                "dt.bias": "dt_bias", "norm.weight": "norm.weight"}  # fmt: skip
 
@@ -45,7 +48,7 @@ _SSM_PARAMS = {"a": "A_log", "d": "D", "conv1d.weight": "conv1d.weight", "conv1d
 def processors() -> dict:
     """Processors by file architecture, to put in transformers' TENSOR_PROCESSORS."""
     return {"gpt-oss": _gpt_oss(), "qwen2moe": _qwen2_moe(), "granitemoe": _granite_moe(),
-            "granitehybrid": _granite_hybrid()}  # fmt: skip
+            "granitehybrid": _granite_hybrid(), "falcon-h1": _falcon_h1()}  # fmt: skip
 
 
 def stacked_experts():
@@ -157,6 +160,26 @@ def _granite_hybrid():
             return super().process(weights, name, **kwargs)
 
     return GraniteHybridFiles
+
+
+def _falcon_h1():
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, TensorProcessor
+
+    class FalconH1Files(TensorProcessor):
+        def process(self, weights, name: str, **kwargs):
+            parsed = kwargs.get("parsed_parameters")
+            if parsed is not None and (m := _SSM.match(name)):
+                key = f"model.layers.{m['layer']}.mamba.{_SSM_PARAMS[m['part']]}"
+                parsed["tensors"][key] = torch.from_numpy(ssm_tensor(weights, m["part"]))
+                return GGUFTensor(weights, None, {})
+            if parsed is not None and (m := _FFN_NORM.match(name)):  # written without ".weight"
+                parsed["tensors"][f"model.layers.{m['layer']}.pre_ff_layernorm.weight"] = torch.from_numpy(
+                    np.copy(weights)
+                )
+                return GGUFTensor(weights, None, {})
+            return super().process(weights, name, **kwargs)
+
+    return FalconH1Files
 
 
 def ssm_tensor(weights: np.ndarray, part: str) -> np.ndarray:

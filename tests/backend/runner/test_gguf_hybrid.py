@@ -5,11 +5,13 @@ formats llama.cpp's files mix in: an LFM2 file, written as llama.cpp's converter
 (a Q4_K_M file's format for rows K-quants do not divide), served on the transformers path with
 each sequence's convolution state kept, its tokens and logprobs transformers' on the same numbers;
 and a Granite 4.0-H file (`granitehybrid`, Mamba 2 layers), which transformers' older reader does
-not map, read by ours (gguf_gaps, gguf_processors); Mamba and Falcon-Mamba files (`mamba`), whose
-prompts the engine computes whole."""
+not map, read by ours (gguf_gaps, gguf_processors); a Falcon-H1 file (attention and a Mamba 2
+mixer side by side in every layer), its multipliers folded into the weights as llama.cpp's converter
+does; Mamba and Falcon-Mamba files (`mamba`), whose prompts the engine computes whole."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import numpy as np
@@ -105,6 +107,67 @@ def test_a_granite_4_h_file_gives_its_checkpoints_tokens_with_its_mamba_state(tm
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == "GraniteMoeHybridForCausalLM" and eng.runner.keeps_state
     assert eng.runner.model.state_layers == [0]
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+# Falcon-H1's multipliers (powers of two: folded into Q8_0 numbers they give Q8_0 numbers)
+FALCON_H1_SCALES = {"key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
+                    "ssm_in_multiplier": 2.0, "ssm_out_multiplier": 0.5, "lm_head_multiplier": 0.5,
+                    "embedding_multiplier": 2.0, "mlp_multipliers": [2.0, 0.5],
+                    "ssm_multipliers": [0.5, 2.0, 1.0, 0.25, 2.0]}  # fmt: skip
+
+
+def _folded_falcon_h1(model):
+    """The weights llama.cpp's converter writes for a Falcon-H1: each multiplier folded into the
+    projection it scales (in_proj's rows by the mixer's five parts)."""
+    c = model.config
+    folded = copy.deepcopy(model)
+    scales = {"self_attn.q_proj": c.attention_in_multiplier, "self_attn.v_proj": c.attention_in_multiplier,
+              "self_attn.k_proj": c.attention_in_multiplier * c.key_multiplier,
+              "self_attn.o_proj": c.attention_out_multiplier, "mamba.out_proj": c.ssm_out_multiplier,
+              "feed_forward.gate_proj": c.mlp_multipliers[0], "feed_forward.down_proj": c.mlp_multipliers[1],
+              "lm_head": c.lm_head_multiplier, "embed_tokens": c.embedding_multiplier}  # fmt: skip
+    with torch.no_grad():
+        for name, param in folded.named_parameters():
+            part = next((p for p in scales if f"{p}.weight" in name), None)
+            if part is not None:
+                param.mul_(scales[part])
+            elif name.endswith("mamba.in_proj.weight"):
+                param.mul_(c.ssm_in_multiplier * model.model.layers[0].mamba.mup_vector.reshape(-1, 1))
+    return folded
+
+
+def _falcon_h1_layout(name: str, data):
+    if name.endswith("pre_ff_layernorm.weight"):  # the converter's name has no ".weight"
+        return [(f"blk.{name.split('.')[2]}.ffn_norm", data)]
+    return _granite_hybrid_layout(1)(name, data)
+
+
+def test_a_falcon_h1_file_gives_its_checkpoints_tokens_its_multipliers_folded_into_the_weights(tmp_path, monkeypatch):
+    """A `falcon-h1` file as llama.cpp writes it: every multiplier folded into the weights (the
+    file has no key for them), the Mamba 2 tensors reshaped, q / k rows as transformers has them:
+    read into FalconH1 with every multiplier 1 (gguf_gaps), its tokens and logprobs those of the
+    checkpoint with its multipliers."""
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    mamba = {"mamba_d_ssm": 256, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1,
+             "mamba_d_conv": 4}  # fmt: skip
+    model = build("falcon_h1", num_key_value_heads=2, head_dim=32, **mamba, **FALCON_H1_SCALES)
+    sharpen(model, "falcon_h1")  # a long memory: the state moves the logits
+    file_numbers(model)
+    with torch.no_grad():  # A as the file holds it, -exp(A_log), read back as log(-A)
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.from_numpy(np.log(np.exp(param.numpy()))))
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "key_length": 32, "value_length": 32,
+                "layer_norm_rms_eps": model.config.rms_norm_eps, "ssm_conv_kernel": 4, "ssm_inner_size": 256,
+                "ssm_state_size": 16, "ssm_time_step_rank": 8, "ssm_group_count": 1,
+                "rope_freq_base": model.config.rope_parameters["rope_theta"]}  # fmt: skip
+    source = write_from_hf(tmp_path / "falcon-h1.Q8_0.gguf", _folded_falcon_h1(model), "falcon-h1", "Q8_0", settings,
+                           layout=_falcon_h1_layout)  # fmt: skip
+    eng, tokens, logprobs = serve(source, quant="auto")
+    assert eng.runner.model.config.architecture == "FalconH1ForCausalLM" and eng.runner.keeps_state
+    assert eng.runner.model.hf.config.key_multiplier == 1.0 and eng.runner.model.hf.config.ssm_multipliers == [1.0] * 5
     assert_close(tokens, logprobs, *greedy_reference(model))
 
 
