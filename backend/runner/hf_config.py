@@ -43,6 +43,7 @@ _BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_vl": "Qwen3ForCausalLM",
 }
 # vision-language architectures: their family (backend.contract.vision.VisionInfo.family)
 _VISION_FAMILIES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
@@ -54,7 +55,10 @@ _LONGROPE_NAMES = ("su", "yarn")  # Phi-3's older names of longrope (transformer
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # vision-language checkpoints whose language model our forward runs as the text model's
 # architecture (their images are not served on it: no vision tower of ours for them)
-LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# (Qwen3-VL's text is Qwen3's: its M-RoPE, given one position for all three axes as text is,
+# is Qwen3's RoPE)
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}  # fmt: skip
 
 
 def load_model_config(path: str | Path, context: int | None = None) -> ModelConfig:

@@ -35,7 +35,8 @@ _TEXT_PREFIX, _LEGACY_TEXT_PREFIX = "model.language_model.", "model."
 # up: hf_config.LANGUAGE_MODEL_OF): its text weights' names as the text model's, the rest unread
 _LANGUAGE_MODEL_NAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                          (_TEXT_PREFIX, _LEGACY_TEXT_PREFIX))  # fmt: skip
-_UNREAD_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_UNREAD_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                 "model.visual.")  # fmt: skip
 # our forwards other than LlamaForCausalLM, by architecture (_load_native)
 # our own forward's model class by architecture (the rest: LlamaForCausalLM)
 _NATIVE_CLASSES = {"Qwen3MoeForCausalLM": MoeForCausalLM, "MixtralForCausalLM": MoeForCausalLM,

@@ -270,6 +270,30 @@ def test_a_gemma3_vision_language_checkpoint_runs_its_language_model_on_our_forw
     assert_matches(tokens["t"], ref, logits, "gemma3 (vision-language checkpoint)")
 
 
+def test_a_qwen3_vl_checkpoint_runs_its_language_model_on_our_qwen3_forward(tmp_path):
+    """Qwen3-VL's language model is Qwen3's: its M-RoPE, every axis given the text's one position,
+    is Qwen3's RoPE; transformers has no causal LM of it (`make serve` refused the folder). Its
+    text weights (model.language_model.*) on our Qwen3 forward, the vision tower's (model.visual.*)
+    unread, transformers' tokens from the full model on a text prompt."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [8, 4, 4], "mrope_interleaved": True}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128,
+              "deepstack_visual_indexes": [0]}  # fmt: skip
+    text = {**DIMS, **GQA, "rope_parameters": rope}
+    config = AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    sharpen(model, "qwen3_vl")
+    model.save_pretrained(tmp_path)
+    ref, logits = reference(model, PROMPT)
+    eng = engine(tmp_path)
+    assert eng.runner.native and eng.runner.model_config.architecture == "Qwen3ForCausalLM"
+    assert eng.runner.model_config.vision is None
+    tokens, _ = run_to_completion(eng, {"t": greedy()})
+    assert_matches(tokens["t"], ref, logits, "qwen3_vl (its language model)")
+
+
 def test_model_impl_transformers_runs_a_native_architecture_on_the_generic_path(tmp_path):
     model = build("llama", tmp_path, GQA)
     ref, logits = reference(model, PROMPT)
