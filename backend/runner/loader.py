@@ -12,6 +12,7 @@ from backend.runner.convert import source_gguf
 from backend.runner.gguf_load import load_gguf_weights
 from backend.runner.gguf_model import gguf_source
 from backend.runner.hf_config import SUPPORTED_ARCHITECTURES, is_m2m100, load_model_config
+from backend.runner.huge_pages import release_freed_memory
 from backend.runner.models.gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
 from backend.runner.models.gemma import GemmaForCausalLM
 from backend.runner.models.llama import LlamaForCausalLM
@@ -66,11 +67,14 @@ def load_model(
             raise ValueError(f"QUANT={quant.kind} serves decoder-only models; {folder} is an NLLB / M2M100 model")
         return M2M100ForTranslation.load(folder, dtype, device)
     refusal = "MODEL_IMPL=transformers" if impl == "transformers" else _native_refusal(folder)
-    if refusal is None:
-        return _load_native(folder, dtype, device, quant, context)
-    if impl == "native":
+    if refusal is not None and impl == "native":
         raise ValueError(f"MODEL_IMPL=native: {refusal}")
-    return _load_generic(folder, dtype, device, quant, refusal)
+    try:
+        if refusal is None:
+            return _load_native(folder, dtype, device, quant, context)
+        return _load_generic(folder, dtype, device, quant, refusal)
+    finally:
+        release_freed_memory()  # the load's float copies, one tensor at a time, freed but held by malloc
 
 
 def _native_refusal(folder: Path) -> str | None:

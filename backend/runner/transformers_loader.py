@@ -6,6 +6,7 @@ continue it from step to step (`probe`: over chunks of a prompt, or only one tok
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from backend.runner.models.transformers_lm import TransformersCausalLM, register
 from backend.runner.quant.apply import QuantSpec
 from backend.runner.quant.gguf_blocks import split_parts
 from backend.runner.transformers_build import NotServable, build
-from backend.runner.transformers_quant import quantize_linears
+from backend.runner.transformers_gguf import newer_reader, streamed
+from backend.runner.transformers_quant import multiplies_blocks, quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
 
@@ -116,13 +118,16 @@ def load_transformers_model(
     class_name = transformers_class(raw)
     register_attention()
     hf_config = AutoConfig.from_pretrained(folder)
-    source = gguf_source(folder)  # a GGUF file: transformers dequantizes its tensors
+    quant = quant or QuantSpec()
+    source = gguf_source(folder)  # a GGUF file: read a tensor at a time, its linears kept in blocks
     if source is not None:
         register_gguf_architectures(source)
         _one_file(source)
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
-    hf_model, loading, hf_config = build(where, hf_config, dtype, class_name)
+    kept = {} if quant.kind == "auto" and multiplies_blocks(quant, dtype, device) else None
+    with streamed(kept) if source is not None else nullcontext():
+        hf_model, loading, hf_config = build(where, hf_config, dtype, class_name)
     whose = type(hf_model).__name__
     alone = f" (its language model alone: {whose})" if hf_config.model_type != raw.get("model_type") else ""
     missing = sorted(loading.get("missing_keys") or ())
@@ -132,7 +137,7 @@ def load_transformers_model(
     hf_model = hf_model.to(device).eval()
     q_heads = getattr(hf_config, "num_attention_heads", None)
     heads = {"attn_q": q_heads, "attn_k": _global(hf_config, "num_key_value_heads") or q_heads}
-    quantized = quantize_linears(row_linears(hf_model), quant or QuantSpec(), source, heads)
+    quantized = quantize_linears(row_linears(hf_model, kept), quant, source, heads)
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     model.config = attention_shape(model, device)
     probe(model, dtype, device)
@@ -143,9 +148,10 @@ def load_transformers_model(
 
 
 def _one_file(source: Path) -> None:
-    """NotServable for a GGUF split into parts: transformers reads the tensors of one file."""
+    """NotServable for a GGUF split into parts that transformers' newer reader reads: it reads
+    the tensors of one file (every other file is read by transformers_gguf, every part)."""
     parts = split_parts(source)
-    if len(parts) > 1:
+    if len(parts) > 1 and newer_reader(source):
         raise NotServable(f"{source.name} is split into {len(parts)} files, and the transformers path reads one: "
                           f"merge them first: llama-gguf-split --merge {source.name} merged.gguf")  # fmt: skip
 

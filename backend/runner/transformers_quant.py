@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from backend.kernels import native
-from backend.runner.gguf_weights import permuted_row_order
 from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
-from backend.runner.quant.formats import QuantizedWeight, dequantize, quantize, select_rows, tile_weight
+from backend.runner.quant.formats import QuantizedWeight, quantize, tile_weight
 from backend.runner.quant.gguf_blocks import read_architecture, read_tensor_table
 from backend.runner.quant.gguf_formats import BLOCK_TYPES
 from backend.runner.quant.matmul import GEMM_DTYPES, activations_for
+from backend.runner.transformers_gguf import same_weights
 
 _ROUTERS = ("gate", "router")
 
@@ -37,7 +37,7 @@ def quantize_linears(
     if spec.kind == "none" or not linears:
         return None
     weight_t = linears[0][1].weight_t
-    if native() is None or not weight_t.is_cpu or weight_t.dtype != torch.float32:
+    if not isinstance(weight_t, QuantizedWeight) and not multiplies_blocks(spec, weight_t.dtype, weight_t.device):
         if spec.kind == "auto":
             return None
         raise ValueError(f"QUANT={spec.kind} on the transformers path needs float32 weights on the CPU and our kernels")
@@ -54,6 +54,12 @@ def quantize_linears(
     return f"QUANT={spec.kind}: {done} of {len(linears)} linears quantized at load (routers and the rest stay float32)"
 
 
+def multiplies_blocks(spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether QUANT (`spec`) can put linears of `dtype` weights on `device` in blocks: our
+    kernels take float32 activations on the CPU only."""
+    return spec.kind != "none" and native() is not None and device.type == "cpu" and dtype == torch.float32
+
+
 def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: Path, heads: dict[str, int]) -> str:
     """Each linear whose GGUF tensor holds exactly its weights takes the tensor's blocks (a q
     or k tensor's rows taken in transformers' order where llama.cpp permuted them)."""
@@ -61,6 +67,10 @@ def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: 
     names = _name_map(source, tensors)
     done = 0
     for name, row in linears:
+        if isinstance(row.weight_t, QuantizedWeight):  # kept in blocks as the file was read (transformers_gguf)
+            _install(row, row.weight_t, spec, "int4")
+            done += 1
+            continue
         gguf_name = names.get_name(name)
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if tensor is None and name == "lm_head":  # tied: the embedding's blocks
@@ -69,23 +79,11 @@ def _gguf_blocks(linears: list[tuple[str, RowLinear]], spec: QuantSpec, source: 
         weight = tensor.weight() if served else None
         if not isinstance(weight, QuantizedWeight) or weight.out_features != row.weight_t.shape[1]:
             continue
-        weight = _same_weights(weight, row.weight_t.t(), heads.get((gguf_name or "").rsplit(".", 1)[-1]))
+        weight = same_weights(weight, row.weight_t.t(), heads.get((gguf_name or "").rsplit(".", 1)[-1]))
         if weight is not None:
             _install(row, weight, spec, "int4")  # llama.cpp's arithmetic: int8 activations where VNNI
             done += 1
     return f"QUANT=auto: {done} of {len(linears)} linears in the GGUF file's own block formats (the rest float32)"
-
-
-def _same_weights(weight: QuantizedWeight, loaded: torch.Tensor, heads: int | None) -> QuantizedWeight | None:
-    """`weight`, or its rows un-permuted (a q / k tensor of `heads` heads), holding exactly
-    the `loaded` [out, in] weights; None if neither does."""
-    if torch.equal(dequantize(weight), loaded):
-        return weight
-    if heads and weight.out_features % (2 * heads) == 0:
-        reordered = select_rows(weight, permuted_row_order(weight.out_features, heads))
-        if torch.equal(dequantize(reordered), loaded):
-            return reordered
-    return None
 
 
 def _name_map(source: Path, tensors: dict):

@@ -144,17 +144,19 @@ class RowLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def row_linears(model: torch.nn.Module) -> list[tuple[str, RowLinear]]:
-    """Replace every nn.Linear of `model` by a RowLinear holding its weights transposed."""
+def row_linears(model: torch.nn.Module, kept: dict[str, QuantizedWeight] | None = None) -> list[tuple[str, RowLinear]]:
+    """Replace every nn.Linear of `model` by a RowLinear holding its weights transposed, or
+    the blocks `kept` holds for its weight (by parameter name: a GGUF file's, read as is)."""
     replaced = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                weight_t = child.weight.detach().t().contiguous()
-                bias = None if child.bias is None else child.bias.detach()
-                row = RowLinear(weight_t, bias)
+                full = f"{name}.{child_name}" if name else child_name
+                blocks = (kept or {}).get(f"{full}.weight")
+                weight_t = blocks if blocks is not None else child.weight.detach().t().contiguous()
+                row = RowLinear(weight_t, None if child.bias is None else child.bias.detach())
                 setattr(module, child_name, row)
-                replaced.append((f"{name}.{child_name}" if name else child_name, row))
+                replaced.append((full, row))
     return replaced
 
 

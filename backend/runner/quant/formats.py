@@ -244,8 +244,8 @@ def pack_high_bits(high: torch.Tensor) -> torch.Tensor:
     return (high.reshape(high.shape[0], -1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
 
 
-def select_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
-    """The weight's rows `order` (e.g. GGUF's q / k rows in Hugging Face's order)."""
+def select_rows(weight: QuantizedWeight, order: torch.Tensor | slice) -> QuantizedWeight:
+    """The weight's rows `order` (e.g. GGUF's q / k rows in Hugging Face's order; a slice: views)."""
     pick = lambda t: None if t is None else t[order]
     return QuantizedWeight(weight.kind, weight.q[order], weight.scales[order], pick(weight.mins), weight.group,
                            pick(weight.qh))  # fmt: skip

@@ -97,21 +97,24 @@ def test_a_checkpoint_missing_weights_is_refused_not_served_with_random_ones(tmp
         engine(tmp_path)
 
 
-def test_a_split_file_on_the_transformers_path_is_refused_naming_the_merge(tmp_path, monkeypatch):
-    """transformers reads one file's tensors: a model it runs from a split GGUF is refused with
-    the command that merges the parts (our own forward reads every part: test_gguf_models)."""
+def test_a_split_file_on_the_transformers_path_is_served_from_all_its_parts(tmp_path, monkeypatch):
+    """llama.cpp's gguf-split spreads the tensors over several files; the transformers path
+    reads every part's (transformers' own reader reads one file: backend/runner/transformers_gguf.py
+    reads them instead), its linears in their blocks, and gives the tokens of the file whole."""
     monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
     settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
                 "head_count": 4, "head_count_kv": 2, "layer_norm_eps": 1e-5, "logit_scale": 0.25}  # fmt: skip
-    first = write_from_hf(tmp_path / "cohere.Q8_0.gguf", build("cohere", logit_scale=0.25), "command-r", "Q8_0",
-                          settings, split_tensors=12)  # fmt: skip
+    model = build("cohere", logit_scale=0.25)
+    (tmp_path / "whole").mkdir(), (tmp_path / "split").mkdir()
+    whole = write_from_hf(tmp_path / "whole" / "cohere.Q8_0.gguf", model, "command-r", "Q8_0", settings)
+    first = write_from_hf(tmp_path / "split" / "cohere.Q8_0.gguf", model, "command-r", "Q8_0", settings,
+                          split_tensors=12)  # fmt: skip
     assert first.name == "cohere.Q8_0-00001-of-00002.gguf"
-    with pytest.raises(
-        ValueError,
-        match=r"cohere\.Q8_0-00001-of-00002\.gguf is split into 2 files, and the "
-        r"transformers path reads one: merge them first: llama-gguf-split --merge",
-    ):
-        serve(first, quant="auto")
+    file_numbers(model)  # the reference holds the numbers the file does
+    eng, tokens, logprobs = serve(first, quant="auto")
+    assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())
+    assert_close(tokens, logprobs, *greedy_reference(model))
+    assert serve(whole, quant="auto")[1] == tokens
 
 
 def gpt_oss_layout(name: str, data):
