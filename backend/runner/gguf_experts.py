@@ -47,11 +47,11 @@ def expert_blocks(tensors: dict[str, GgufTensor], cfg: ModelConfig) -> dict[str,
         gate, up, down = (tensors[f"blk.{layer}.{part}.weight"].weight() for part in EXPERT_PARTS)
         for e in range(cfg.moe.num_experts):
             ours = f"layers.{layer}.moe.experts.{e}"
-            gate_up = common_format([_rows(gate, e, inter), _rows(up, e, inter)])
+            gate_up = common_format([expert_rows(gate, e, inter), expert_rows(up, e, inter)])
             if gate_up is not None:
                 taken[f"{ours}.gate_up_t"] = concat_rows(gate_up)
             if isinstance(down, QuantizedWeight):
-                taken[f"{ours}.down_t"] = _rows(down, e, hidden)
+                taken[f"{ours}.down_t"] = expert_rows(down, e, hidden)
     return taken
 
 
@@ -63,7 +63,7 @@ def expert_linear_names(key: str, cfg: ModelConfig) -> list[str]:
     return [f"model.layers.{layer}.{block}.experts.{expert}.{p}.weight" for p in projections]
 
 
-def _rows(weight: QuantizedWeight | torch.Tensor, expert: int, rows: int) -> QuantizedWeight | torch.Tensor:
+def expert_rows(weight: QuantizedWeight | torch.Tensor, expert: int, rows: int) -> QuantizedWeight | torch.Tensor:
     """Expert `expert`'s `rows` rows of a [E * rows, in] weight (a view where it can be)."""
     run = slice(expert * rows, (expert + 1) * rows)
     return select_rows(weight, run) if isinstance(weight, QuantizedWeight) else weight[run]

@@ -60,7 +60,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "expert_used_count": ("num_experts_per_tok", "moe_k", "num_experts_per_token", "top_k"),
     "expert_feed_forward_length": ("moe_intermediate_size",),
     "expert_shared_count": ("n_shared_experts", "num_shared_experts"),
-    "expert_shared_feed_forward_length": ("shared_intermediate_size",),
+    "expert_shared_feed_forward_length": ("shared_intermediate_size", "shared_expert_intermediate_size"),
     "leading_dense_block_count": ("first_k_dense_replace",),
     "expert_group_count": ("n_group",),
     "expert_group_used_count": ("topk_group",),

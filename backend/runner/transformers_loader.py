@@ -20,8 +20,8 @@ from backend.runner.models.transformers_lm import TransformersCausalLM, register
 from backend.runner.quant.apply import QuantSpec
 from backend.runner.quant.gguf_blocks import split_parts
 from backend.runner.transformers_build import NotServable, build
-from backend.runner.transformers_gguf import newer_reader, streamed
-from backend.runner.transformers_quant import multiplies_blocks, quantize_linears
+from backend.runner.transformers_gguf import Kept, newer_reader, streamed
+from backend.runner.transformers_quant import install_experts, multiplies_blocks, quantize_linears
 from backend.runner.weights import eos_token_ids
 from backend.types.model_config import ModelConfig
 
@@ -125,7 +125,7 @@ def load_transformers_model(
         _one_file(source)
     where = {"pretrained_model_name_or_path": folder} if source is None else {
         "pretrained_model_name_or_path": source.parent, "gguf_file": source.name}  # fmt: skip
-    kept = {} if quant.kind == "auto" and multiplies_blocks(quant, dtype, device) else None
+    kept = Kept() if quant.kind == "auto" and multiplies_blocks(quant, dtype, device) else None
     with streamed(kept) if source is not None else nullcontext():
         hf_model, loading, hf_config = build(where, hf_config, dtype, class_name)
     whose = type(hf_model).__name__
@@ -137,7 +137,9 @@ def load_transformers_model(
     hf_model = hf_model.to(device).eval()
     q_heads = getattr(hf_config, "num_attention_heads", None)
     heads = {"attn_q": q_heads, "attn_k": _global(hf_config, "num_key_value_heads") or q_heads}
-    quantized = quantize_linears(row_linears(hf_model, kept), quant, source, heads)
+    quantized = quantize_linears(row_linears(hf_model, kept and kept.linears), quant, source, heads)
+    experts = install_experts(hf_model, kept.experts, quant) if kept else None
+    quantized = "; ".join(part for part in (quantized, experts) if part) or None
     model = TransformersCausalLM(hf_model, model_config(hf_config, folder, raw, class_name))
     model.config = attention_shape(model, device)
     probe(model, dtype, device)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from backend.kernels import native
+from backend.runner.models.transformers_experts import ExpertBlocks, install, stacked_experts
 from backend.runner.models.transformers_lm import RowLinear
 from backend.runner.quant.apply import LM_HEAD_GROUP, QuantSpec
 from backend.runner.quant.formats import QuantizedWeight, quantize, tile_weight
@@ -96,7 +97,23 @@ def _name_map(source: Path, tensors: dict):
     return gguf.get_tensor_name_map(arch, blocks)
 
 
+def install_experts(model: torch.nn.Module, experts: dict[str, ExpertBlocks], spec: QuantSpec) -> str | None:
+    """Each module's experts multiplied from the blocks kept for them (a GGUF file's, as it was
+    read); a line saying how many layers' experts are, None where none."""
+    for name, blocks in experts.items():
+        for weight in blocks.weights():
+            _tiled(weight, spec, "int4")
+        install(model.get_submodule(name), blocks)
+    total = sum(1 for m in model.modules() if stacked_experts(m) or hasattr(m, "expert_blocks"))
+    return f"{len(experts)} of {total} layers' experts in their blocks" if experts else None
+
+
 def _install(row: RowLinear, weight: QuantizedWeight, spec: QuantSpec, kind: str) -> None:
+    row.weight_t = _tiled(weight, spec, kind)
+
+
+def _tiled(weight: QuantizedWeight, spec: QuantSpec, kind: str) -> QuantizedWeight:
+    """`weight` with its tiles and how QUANT (`spec`) multiplies it (`kind`: its activations' choice)."""
     weight.tiles = tile_weight(weight, activations_for(kind, spec.activations))
     weight.gemv_max_rows, weight.gemm_dtype = spec.gemv_max_rows, GEMM_DTYPES[spec.gemm]
-    row.weight_t = weight
+    return weight

@@ -172,7 +172,7 @@ def write_phi3(
 def write_from_hf(
     path: Path, model, arch: str, linear_type: str, settings: dict[str, object], permuted: bool = False,
     norm_shift: float = 0.0, extra: list[tuple[str, object, GGUFValueType]] = (), layout=None,
-    split_tensors: int = 0,
+    split_tensors: int = 0, stacked: bool = False,
 ) -> Path:  # fmt: skip
     """`model`'s tensors (a transformers model) as a GGUF file of architecture `arch`, named by
     gguf-py's map (as llama.cpp's converter names them), its 2-D weights in `linear_type`
@@ -180,7 +180,8 @@ def write_from_hf(
     to every norm as it does for Gemma's); `settings`: GGUFWriter.add_<key> values
     (block_count ...), `extra` (key, value, type) as they are, plus the default model's tokenizer;
     `layout(name, array)`: the (file name, array) pairs a converter writes for a parameter it
-    handles itself, or None; `split_tensors`: write_model's."""
+    handles itself, or None; `split_tensors`: write_model's; `stacked`: the 3-D tensors (a
+    mixture's stacked experts) in `linear_type` too (else float, as a layout's 2-D parts)."""
     import gguf
 
     writer = GGUFWriter(path, arch, split_max_tensors=split_tensors)
@@ -200,18 +201,15 @@ def write_from_hf(
         parts = layout(name, data) if layout else None
         if parts is not None:
             for gguf_name, part in parts:
-                writer.add_tensor(gguf_name, np.ascontiguousarray(part))
+                kind = linear_type if stacked and part.ndim == 3 else "F32"
+                _add(writer, gguf_name, np.ascontiguousarray(part), kind)
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
         if permuted and name.rsplit(".", 2)[-2] in heads:  # each head's rows (half, i) as (i, half)
             rows = heads[name.rsplit(".", 2)[-2]]
             data = data.reshape(rows, 2, -1, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        if data.ndim == 2 and data.shape[1] % 32 == 0 and linear_type != "F32":
-            writer.add_tensor(gguf_name, quantize(data, GGMLQuantizationType[linear_type]),
-                              raw_dtype=GGMLQuantizationType[linear_type])  # fmt: skip
-        else:
-            writer.add_tensor(gguf_name, data)
+        _add(writer, gguf_name, data, linear_type if data.ndim == 2 or (stacked and data.ndim == 3) else "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -219,15 +217,25 @@ def write_from_hf(
     return writer.format_shard_names(Path(path))[0] if split_tensors else path
 
 
-def file_numbers(model, type_name: str = "Q8_0") -> None:
+def _add(writer: GGUFWriter, name: str, data: np.ndarray, type_name: str) -> None:
+    """`data` as tensor `name`: in `type_name` where its rows are a multiple of 32 long, else float."""
+    if data.shape[-1] % 32 == 0 and type_name != "F32":
+        writer.add_tensor(name, quantize(data, GGMLQuantizationType[type_name]),
+                          raw_dtype=GGMLQuantizationType[type_name])  # fmt: skip
+    else:
+        writer.add_tensor(name, data)
+
+
+def file_numbers(model, type_name: str = "Q8_0", stacked: bool = False) -> None:
     """Put in `model` the numbers `write_from_hf` writes for it in `type_name`: each 2-D weight
-    it quantizes (a row a multiple of 32 long), quantized and dequantized by gguf-py."""
+    it quantizes (a row a multiple of 32 long), and the 3-D ones where `stacked`, quantized and
+    dequantized by gguf-py."""
     import torch
     from gguf.quants import dequantize
 
     kind = GGMLQuantizationType[type_name]
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() == 2 and param.shape[1] % 32 == 0:
+            if (param.dim() == 2 or (stacked and param.dim() == 3)) and param.shape[-1] % 32 == 0:
                 data = dequantize(quantize(param.detach().float().numpy(), kind), kind)
                 param.copy_(torch.from_numpy(data).reshape(param.shape))

@@ -192,9 +192,10 @@ def test_a_granite_moe_shared_file_as_llama_cpp_writes_it_gives_its_checkpoints_
                 "expert_used_count": 2, "expert_shared_feed_forward_length": 64, "embedding_scale": 2.0,
                 "attention_scale": 0.1, "residual_scale": 0.5, "logit_scale": 4.0,
                 "rope_freq_base": model.config.rope_parameters["rope_theta"]}  # fmt: skip
-    file_numbers(model)  # first: the 2-D parts the layout writes as floats hold the reference's numbers too
+    file_numbers(model, stacked=True)  # first: the 2-D parts the layout writes as floats hold them too
     source = write_from_hf(tmp_path / "granite-moe.Q8_0.gguf", model, "granitemoe", "Q8_0", settings, permuted=True,
-                           layout=granite_moe_layout)  # fmt: skip
+                           layout=granite_moe_layout, stacked=True)  # fmt: skip
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == "GraniteMoeSharedForCausalLM"
+    assert sum(hasattr(m, "expert_blocks") for m in eng.runner.model.base.modules()) == 2  # experts in Q8_0 blocks
     assert_close(tokens, logprobs, *greedy_reference(model))

@@ -7,6 +7,7 @@ weights dequantized into transformers' model, or transformers' own load of the f
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -137,4 +138,50 @@ def test_a_gguf_file_of_an_architecture_transformers_reader_lacks(tmp_path, monk
     eng, tokens, logprobs = serve(source, quant="auto")
     assert eng.runner.model.config.architecture == type(model).__name__
     assert all(isinstance(row.weight_t, QuantizedWeight) for row in linears(eng).values())  # q / k too
+    assert_close(tokens, logprobs, *greedy_reference(model))
+
+
+def experts_layout(name: str, data):
+    """llama.cpp's converter on a mixture transformers 5 stacks: each layer's experts as
+    `ffn_gate_exps` / `ffn_up_exps` [E, I, H] (the halves of gate_up_proj) and `ffn_down_exps`,
+    the router as `ffn_gate_inp`."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
+    if match is None:
+        return None
+    block, half = f"blk.{match[1]}.", data.shape[-2] // 2
+    return {
+        "gate.weight": [(block + "ffn_gate_inp.weight", data)],
+        "experts.down_proj": [(block + "ffn_down_exps.weight", data)],
+        "experts.gate_up_proj": [(block + "ffn_gate_exps.weight", data[:, :half]),
+                                 (block + "ffn_up_exps.weight", data[:, half:])],
+    }[match[2]]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "arch", "overrides"), [
+    ("olmoe", "olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen2_moe", "qwen2moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                               "shared_expert_intermediate_size": 64}),
+])  # fmt: skip
+def test_a_mixtures_experts_from_a_gguf_file_stay_in_their_blocks(tmp_path, monkeypatch, model_type, arch, overrides):
+    """transformers 5 holds a layer's experts in stacked float parameters; from a GGUF file they
+    stay in the file's blocks, each expert multiplied by our kernels (transformers_experts.py),
+    and the exact mode gives transformers' tokens on the same numbers."""
+    from backend.runner.models.transformers_experts import ExpertBlocks
+
+    monkeypatch.setattr(gguf_model, "cache_dir", lambda: tmp_path / "cache")
+    model = build(model_type, **overrides)
+    file_numbers(model, stacked=True)  # the reference holds the numbers the file does
+    settings = {"block_count": 2, "context_length": 1024, "embedding_length": 128, "feed_forward_length": 256,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": model.config.rms_norm_eps,
+                "rope_freq_base": model.config.rope_parameters["rope_theta"], "expert_count": 4,
+                "expert_used_count": 2}  # fmt: skip
+    if model_type == "qwen2_moe":
+        settings |= {"expert_feed_forward_length": 64, "expert_shared_feed_forward_length": 64}
+    source = write_from_hf(tmp_path / f"{model_type}.Q8_0.gguf", model, arch, "Q8_0", settings, layout=experts_layout,
+                           stacked=True)  # fmt: skip
+    eng, tokens, logprobs = serve(source, quant="auto")
+    modules = [m for m in eng.runner.model.base.modules() if hasattr(m, "expert_blocks")]  # the base model's
+    assert len(modules) == 2 and all(isinstance(m.expert_blocks, ExpertBlocks) for m in modules)
+    assert all(w.tiles is not None for m in modules for w in m.expert_blocks.weights())
+    assert all(m.gate_up_proj.stride() == (0, 0, 0) for m in modules)  # no float copy kept
     assert_close(tokens, logprobs, *greedy_reference(model))
